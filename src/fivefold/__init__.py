@@ -1,0 +1,10 @@
+"""fivefold: train language models with 5D parallelism, and plan the layout first."""
+
+__version__ = "0.1.0"
+
+
+def load_pretrained(path):
+    """The single-device model of a Hugging Face checkpoint folder or a fivefold checkpoint."""
+    from fivefold.models.hf import load_pretrained as _load
+
+    return _load(path)

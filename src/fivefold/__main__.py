@@ -1,0 +1,5 @@
+import sys
+
+from fivefold.cli import main
+
+sys.exit(main())

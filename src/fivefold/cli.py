@@ -1,0 +1,80 @@
+"""`fivefold train | config show | plan`: parse, call, print. No logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fivefold.config import ConfigError, load_config, to_toml, validate
+
+USAGE = """usage:
+  fivefold train [CONFIG] [--nproc N] [--max-restarts K] [--section.key VALUE ...]
+  fivefold config show [CONFIG] [--section.key VALUE ...]
+  fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--layout "dp=8,tp=2,..."] [--json]
+"""
+
+
+def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
+    """The optional CONFIG path comes first; everything after it is --section.key overrides."""
+    if args and not args[0].startswith("--"):
+        return args[0], args[1:]
+    return None, args
+
+
+def cmd_train(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fivefold train", add_help=False)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--max-restarts", type=int, default=0)
+    own, rest = parser.parse_known_args(args)
+    config_path, overrides = _split_config(rest)
+    from fivefold.train.launch import launch_local, launched_by_torchrun, worker
+
+    if launched_by_torchrun() or own.nproc == 1:
+        cfg = load_config(config_path, overrides)
+        from fivefold.runtime import runtime_from_env
+
+        validate(cfg, runtime_from_env().world_size)
+        worker(config_path, overrides)
+        return 0
+    if own.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {own.nproc}")
+    cfg = load_config(config_path, overrides)
+    validate(cfg, own.nproc)  # before any process starts
+    from fivefold.validate import check_supported
+
+    check_supported(cfg)
+    return launch_local(config_path, overrides, own.nproc, own.max_restarts)
+
+
+def cmd_config(args: list[str]) -> int:
+    if not args or args[0] != "show":
+        raise ConfigError("usage: fivefold config show [CONFIG] [--section.key VALUE ...]")
+    config_path, overrides = _split_config(args[1:])
+    cfg = validate(load_config(config_path, overrides))
+    print(to_toml(cfg))
+    return 0
+
+
+def cmd_plan(args: list[str]) -> int:
+    from fivefold.plan.cli import run_plan
+
+    return run_plan(args)
+
+
+COMMANDS = {"train": cmd_train, "config": cmd_config, "plan": cmd_plan}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

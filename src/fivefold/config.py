@@ -1,0 +1,320 @@
+"""Configuration: one dataclass per TOML section, TOML loading, `--section.key value` overrides.
+
+A config is resolved in this order: dataclass defaults < model preset < TOML file < command line.
+Every problem is reported as a `ConfigError` holding one sentence that names the key and the fix;
+the CLI prints that sentence and exits, so no traceback reaches the user for a bad config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fivefold.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A bad configuration, explained in one sentence."""
+
+
+@dataclass
+class MoEConfig:
+    n_experts: int = 0  # 0 = dense model
+    top_k: int = 2
+    n_shared_experts: int = 0
+    every: int = 1  # an MoE layer every `every` layers (after the first `first_dense`)
+    first_dense: int = 0
+    expert_ffn_dim: int = 0  # 0 = model.ffn_dim
+    score: str = "softmax"  # softmax | sigmoid
+    balance: str = "aux_loss"  # aux_loss | bias | none
+    aux_loss_coeff: float = 0.01
+    bias_update_rate: float = 0.001
+    capacity_factor: float = 0.0  # 0 = dropless
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    vocab_size: int = 256
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 1024
+    # Llama 3.1 RoPE frequency scaling; rope_scaling = 0 turns it off.
+    rope_scaling: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    zero: int = 0  # 0 replicate, 1 shard optimizer, 2 + gradients, 3 + parameters (FSDP)
+    dp_shard: int = 0  # HSDP: size of the sharded sub-group; 0 = all of dp
+    tp: int = 1
+    sp: bool = True  # sequence parallelism (only meaningful when tp > 1)
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    pp_layers: str = ""  # e.g. "7,9,9,7"; empty = balance by estimated cost
+    cp: int = 1
+    cp_method: str = "ring"
+    ep: int = 1
+    order: str = "pp,dp,cp,tp"  # outermost to innermost
+    timeout_s: float = 300.0  # every collective; a lost rank becomes an error, not a hang
+    gpus_per_node: int = 8
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 0
+    seq_len: int = 128
+    global_batch: int = 16  # sequences per optimizer step
+    micro_batch: int = 0  # sequences per micro-batch per dp rank; 0 = global_batch / dp
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    schedule: str = "cosine"  # cosine | wsd | constant
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and reductions)
+    recompute: str = "none"  # none | selective | full
+    compile: bool = False
+    eval_every: int = 0  # 0 = no evaluation
+    eval_batches: int = 4
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"  # builtin | path to a .txt/.jsonl/.parquet file or a folder of them
+    text_field: str = "text"  # jsonl/parquet column holding the text
+    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
+    val_fraction: float = 0.05
+    builtin_max_bytes: int = 4_000_000
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # empty = <log.dir>/checkpoints
+    every: int = 0  # 0 = never
+    keep: int = 3
+    resume: str = "none"  # none | auto | path
+
+
+@dataclass
+class LogConfig:
+    dir: str = ""  # run directory for metrics.jsonl (and TensorBoard); empty = none
+    every: int = 10  # console line every N steps
+    tensorboard: bool = False
+    progress: bool = True
+
+
+@dataclass
+class ClusterConfig:
+    """Only the planner reads this."""
+    gpus: int = 0
+    gpu: str = "h100"
+    gpus_per_node: int = 8
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Building a Config from nested dicts, with type checks and did-you-mean
+
+
+def _hints(cls) -> dict[str, typing.Any]:
+    return typing.get_type_hints(cls)
+
+
+def _suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(key: str, value, typ):
+    """Check `value` (from TOML, or a string from the command line) against `typ`."""
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                low = text.lower()
+                if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError
+                return low in ("true", "1", "yes", "on")
+            return typ(text)
+        except ValueError:
+            raise ConfigError(f"{key} must be {_type_name(typ)}, got '{value}'") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be {_type_name(typ)}, got {value!r}")
+    return value
+
+
+def _type_name(typ) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[typ]
+
+
+def _build(cls, raw: dict, prefix: str):
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}.{key}"
+        if key not in hints:
+            raise ConfigError(f"unknown key {dotted}{_suggest(key, hints)}")
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{dotted} must be a section of keys, got {value!r}")
+            kwargs[key] = _build(typ, value, dotted)
+        else:
+            kwargs[key] = _coerce(dotted, value, typ)
+    return cls(**kwargs)
+
+
+def _resolve_model(raw_model: dict) -> dict:
+    """Preset values first, explicit keys on top (the [model.moe] table merged key by key)."""
+    preset = raw_model.get("preset", ModelConfig.preset)
+    if preset not in PRESETS:
+        raise ConfigError(f"model.preset '{preset}' is unknown{_suggest(preset, PRESETS)}; "
+                          f"choose one of {', '.join(PRESETS)}")
+    merged = {k: v for k, v in PRESETS[preset].items() if k != "moe"}
+    merged.update({k: v for k, v in raw_model.items() if k != "moe"})
+    moe = dict(PRESETS[preset].get("moe", {}))
+    explicit_moe = raw_model.get("moe", {})
+    if not isinstance(explicit_moe, dict):
+        raise ConfigError(f"model.moe must be a section of keys, got {explicit_moe!r}")
+    moe.update(explicit_moe)
+    merged["moe"] = moe
+    merged["preset"] = preset
+    return merged
+
+
+def config_from_dict(raw: dict) -> Config:
+    raw = dict(raw)
+    sections = _hints(Config)
+    for name in raw:
+        if name not in sections:
+            raise ConfigError(f"unknown section [{name}]{_suggest(name, sections)}")
+        if not isinstance(raw[name], dict):
+            raise ConfigError(f"[{name}] must be a section of keys, got {raw[name]!r}")
+    raw["model"] = _resolve_model(raw.get("model", {}))
+    return Config(**{name: _build(sections[name], raw.get(name, {}), name) for name in sections})
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """`--section.key value` (or `--section.key=value`) pairs -> nested dict of strings."""
+    nested: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"expected an override like --parallel.tp 2, got '{arg}'")
+        if "=" in arg:
+            dotted, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value, e.g. {arg} 2")
+            dotted, value = arg[2:], args[i + 1]
+            i += 2
+        *path, key = dotted.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--{dotted} conflicts with another override")
+        node[key] = value
+    return nested
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """TOML file (optional) plus command-line overrides -> a resolved Config (not yet validated)."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass a TOML file such as configs/tiny.toml")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    if overrides:
+        extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        raw = _deep_merge(raw, extra)
+    return config_from_dict(raw)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (what `fivefold config show` prints)."""
+    lines: list[str] = []
+
+    def emit(section: str, obj) -> None:
+        lines.append(f"[{section}]")
+        nested = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((f"{section}.{f.name}", value))
+            elif isinstance(value, bool):
+                lines.append(f"{f.name} = {'true' if value else 'false'}")
+            elif isinstance(value, str):
+                lines.append(f'{f.name} = "{value}"')
+            else:
+                lines.append(f"{f.name} = {value!r}")
+        lines.append("")
+        for name, sub in nested:
+            emit(name, sub)
+
+    for f in dataclasses.fields(cfg):
+        emit(f.name, getattr(cfg, f.name))
+    return "\n".join(lines)
+
+
+from fivefold.validate import validate  # noqa: E402  (re-exported: config.validate is the contract)
+
+__all__ = ["Config", "ConfigError", "load_config", "parse_overrides", "to_toml", "validate"]

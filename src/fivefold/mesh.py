@@ -1,0 +1,107 @@
+"""ParallelDims: the parallel degrees, the one DeviceMesh built from them, and named views of it.
+
+Mesh dimensions, outermost first, follow `parallel.order` (default pp, dp, cp, tp): tp innermost
+puts a tensor-parallel group on consecutive ranks (one node), pp and dp outermost put their
+traffic, the rarest, on the slow links. dp itself is two dimensions, dp_replicate × dp_shard, so
+HSDP (shard inside a group, replicate across groups) needs no other mesh.
+
+Everything except `build_mesh` is pure arithmetic on rank numbers, usable before (and without)
+any process group: validation, dry runs and the rank map use it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from fivefold.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    order: tuple[str, ...]  # of "pp", "dp", "cp", "tp", outermost first
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig) -> "ParallelDims":
+        shard = p.dp_shard or p.dp
+        return cls(dp_replicate=p.dp // shard, dp_shard=shard, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
+                   order=tuple(d.strip() for d in p.order.split(",")))
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of every mesh dimension, outermost first; dp expanded into its two parts."""
+        sizes = {"pp": self.pp, "cp": self.cp, "tp": self.tp}
+        dims: list[tuple[str, int]] = []
+        for name in self.order:
+            if name == "dp":
+                dims += [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)]
+            else:
+                dims.append((name, sizes[name]))
+        return tuple(dims)
+
+    def rank_grid(self) -> np.ndarray:
+        """Global rank at every mesh coordinate (an array shaped like the mesh)."""
+        return np.arange(self.world_size).reshape([size for _, size in self.mesh_dims])
+
+    def groups(self, *names: str) -> list[list[int]]:
+        """The rank groups that vary along the named mesh dimensions (e.g. "tp", or "dp_replicate",
+        "dp_shard" for all of dp); each rank is in exactly one group."""
+        dim_names = [n for n, _ in self.mesh_dims]
+        grid = self.rank_grid()
+        axes = [dim_names.index(n) for n in names]
+        rest = [i for i in range(grid.ndim) if i not in axes]
+        moved = np.transpose(grid, rest + axes).reshape(-1, int(np.prod([grid.shape[a] for a in axes])))
+        return [row.tolist() for row in moved]
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        where = np.argwhere(self.rank_grid() == rank)[0]
+        return {name: int(i) for (name, _), i in zip(self.mesh_dims, where)}
+
+    def warn_if_tp_crosses_nodes(self, ranks_per_node: int) -> None:
+        crossing = [g for g in self.groups("tp") if len({r // ranks_per_node for r in g}) > 1]
+        if self.tp > 1 and crossing:
+            warnings.warn(f"tensor-parallel group {crossing[0]} spans nodes of {ranks_per_node} ranks: "
+                          "its all-reduces will cross the slow network; put tp last in parallel.order "
+                          "or lower parallel.tp", stacklevel=2)
+
+    def build_mesh(self, device_type: str) -> "Meshes":
+        """The DeviceMesh over all ranks, with flattened views: "dp" (all data-parallel ranks) and
+        "dp_cp" (the ranks that reduce gradients and average the loss together)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = tuple(n for n, _ in self.mesh_dims)
+        root = init_device_mesh(device_type, tuple(s for _, s in self.mesh_dims), mesh_dim_names=names)
+        flattened = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
+                     "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+        return Meshes(root, flattened)
+
+
+class Meshes:
+    """`meshes["tp"]`, `meshes["dp_replicate", "dp_shard"]`, `meshes["dp_cp"]`: sub-meshes by name.
+
+    Flattened views are kept here rather than sliced from the root again (PyTorch asks callers to
+    hold on to them)."""
+
+    def __init__(self, root, flattened: dict):
+        self.root, self._flattened = root, flattened
+
+    def __getitem__(self, names):
+        if isinstance(names, str) and names in self._flattened:
+            return self._flattened[names]
+        return self.root[names]

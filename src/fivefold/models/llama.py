@@ -1,0 +1,165 @@
+"""A Llama-3-style decoder as a plain single-device module.
+
+Nothing here knows about parallelism. Two properties make the parallel code's job possible:
+- Shapes are read from tensors, never from the config, inside forward (`view(b, s, -1, head_dim)`),
+  so a tensor-parallel shard with fewer heads runs the same code.
+- Attention's math lives in a parameter-free `core` submodule, so context parallelism can swap in
+  ring attention; layers live in a ModuleDict so a pipeline stage can drop some and keep the names
+  (and checkpoint keys) of the rest; `tok_embeddings`, `norm` and `output` may be None for the same
+  reason.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.config import ModelConfig
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama 3.1's scaling of the long wavelengths when enabled."""
+    head_dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if cfg.rope_scaling > 0:
+        # Wavelengths longer than original_ctx/low_freq_factor are slowed by `factor`; shorter than
+        # original_ctx/high_freq_factor are kept; in between, a smooth interpolation of the two.
+        factor, low, high = cfg.rope_scaling, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        original = cfg.rope_original_max_seq_len
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        is_medium = (wavelen <= original / low) & (wavelen >= original / high)
+        inv_freq = torch.where(is_medium, interpolated, inv_freq)
+    return inv_freq.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch or 1, seq, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+class CausalAttention(nn.Module):
+    """Causal softmax attention over (batch, heads, seq, head_dim); K/V may have fewer heads (GQA)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttention()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, feed_forward: nn.Module | None = None):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens (batch, seq) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` are ids, or hidden states when an earlier part of the model ran elsewhere.
+
+        `positions` (batch or 1, seq) defaults to 0..seq-1; a shard of a sequence passes its own.
+        """
+        seq_len = tokens.shape[1]  # of the input: hidden states inside may hold a slice of it
+        if positions is None:
+            positions = torch.arange(seq_len, device=tokens.device)
+        positions = positions.reshape(-1, seq_len)  # (batch or 1, seq), whatever was passed
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.rope_tables(positions)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Weights are a function of (seed, parameter name, shape) only.
+
+        Each parameter draws from its own generator, so building, splitting or sharding the model
+        in any order reproduces the same values: the basis of every layout-equivalence test.
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)  # GPT-2 style: keeps the residual stream's scale
+        for name, param in self.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            param.copy_(seeded_normal(seed, name, param.shape, std))
+
+
+def seeded_normal(seed: int, name: str, shape, std: float) -> torch.Tensor:
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.randn(shape, generator=generator) * std
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,139 @@
+"""Data parallelism: how gradients meet and where optimizer state lives, for each ZeRO stage.
+
+- zero 0: every rank keeps everything; gradients are all-reduced in buckets that start while the
+  backward pass is still running (ours: DDP cannot hold tensor-parallel DTensor parameters).
+- zero 1 / 2: optimizer state (and, at 2, gradients) sharded over dp; see parallel/zero.py.
+- zero 3: parameters sharded too, with PyTorch's FSDP2 `fully_shard` per transformer block.
+HSDP (`dp_shard` < dp) shards inside groups of dp_shard ranks and replicates across groups.
+
+Every variant reduces the gradients of a step once, after its last micro-batch (zero 2 instead
+reduce-scatters each micro-batch, which is what keeps its gradients sharded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.config import Config, TrainConfig
+from fivefold.mesh import ParallelDims
+from fivefold.parallel.buckets import Bucket, make_buckets
+from fivefold.parallel.comm_ledger import CommLedger
+from fivefold.parallel.grad_norm import (clip_coefficient, copies_of_local_piece, global_norm,
+                                         local_tensor, settle_partial_grad, weighted_square_sum)
+from fivefold.train.optim import adamw
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class DataParallel:
+    """Whole-tensor gradients and optimizer (no data parallelism: dp = 1)."""
+
+    name = "no data parallelism"
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, ledger: CommLedger):
+        self.model, self.dims, self.ledger = model, dims, ledger
+        self.params = trainable(model)
+        self.norm_world = dims.world_size // dims.pp  # ranks that together hold one full model
+
+    @contextlib.contextmanager
+    def grad_sync(self, is_last: bool):
+        """Wraps one micro-batch's forward and backward; `is_last` marks the step's last one."""
+        self.begin_micro_batch(is_last)
+        yield
+        self.end_micro_batch()
+
+    def begin_micro_batch(self, is_last: bool) -> None:
+        pass
+
+    def end_micro_batch(self) -> None:
+        pass
+
+    def finish_grads(self) -> None:
+        for param in self.params:
+            settle_partial_grad(param)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = global_norm(weighted_square_sum(
+            [(local_tensor(g), copies_of_local_piece(g, self.norm_world)) for g in grads]))
+        coefficient = clip_coefficient(norm, max_norm)
+        if coefficient < 1.0:
+            torch._foreach_mul_([local_tensor(g) for g in grads], coefficient)
+        return norm
+
+    def build_optimizer(self, cfg: TrainConfig) -> torch.optim.Optimizer:
+        return adamw(self.params, cfg)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+
+class ReplicatedDataParallel(DataParallel):
+    """ZeRO-0: bucketed all-reduce of gradients, launched from gradient hooks during backward."""
+
+    name = "zero 0: replicated parameters, bucketed gradient all-reduce"
+
+    def __init__(self, model, dims, ledger, group):
+        super().__init__(model, dims, ledger)
+        self.group, self.group_size = group, dist.get_world_size(group)
+        self.buckets = make_buckets(self.params, padded_to=1)
+        self._syncing = False
+        self._next_bucket = 0
+        self._handles: list = []
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.register_post_accumulate_grad_hook(self._make_hook(bucket))
+
+    def _make_hook(self, bucket: Bucket):
+        def hook(param):
+            if self._syncing:
+                settle_partial_grad(param)
+                bucket.mark_ready(param)
+                self._launch_ready_buckets()
+        return hook
+
+    def _launch_ready_buckets(self) -> None:
+        # Launch strictly in bucket order so every rank issues the same collectives in the same order.
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].all_ready:
+            bucket = self.buckets[self._next_bucket]
+            bucket.pack_grads(scale=1.0 / self.group_size)
+            self._handles.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+            self.ledger.all_reduce("dp", bucket.buffer, self.group_size)
+            self._next_bucket += 1
+
+    def begin_micro_batch(self, is_last: bool) -> None:
+        self._syncing = is_last  # the hooks of this micro-batch's backward reduce only if last
+
+    def finish_grads(self) -> None:
+        for bucket in self.buckets[self._next_bucket:]:
+            bucket.mark_all_ready()  # parameters that received no gradient still take part
+        self._launch_ready_buckets()
+        super().finish_grads()
+        for handle in self._handles:
+            handle.wait()
+        for bucket in self.buckets:
+            bucket.unpack_grads()
+            bucket.reset()
+        self._handles, self._next_bucket, self._syncing = [], 0, False
+
+
+def build_data_parallel(model: nn.Module, dims: ParallelDims, mesh, cfg: Config) -> DataParallel:
+    ledger = CommLedger()
+    if dims.dp * dims.cp == 1:
+        return DataParallel(model, dims, ledger)
+    zero = cfg.parallel.zero
+    if zero == 0:
+        return ReplicatedDataParallel(model, dims, ledger, mesh["dp_cp"].get_group())
+    if zero in (1, 2):
+        from fivefold.parallel.zero import ShardedOptimizerDataParallel
+
+        return ShardedOptimizerDataParallel(model, dims, ledger, mesh, shard_grads=zero == 2)
+    from fivefold.parallel.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, dims, ledger, mesh)

@@ -1,0 +1,47 @@
+"""Activation recomputation of transformer blocks, applied after construction.
+
+`full` keeps only each block's input and recomputes the whole block in backward. `selective`
+keeps the outputs of matrix multiplies and attention (expensive to redo) and recomputes the cheap
+elementwise work (norms, RoPE, SiLU), which holds most of the activation bytes. The block's
+forward is wrapped in place, so parameter names (and checkpoint keys) do not change.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    noop_context_fn)
+
+_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _recomputed(forward, context_fn, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def apply_recompute(blocks: nn.ModuleDict, mode: str) -> None:
+    if mode == "none":
+        return
+    context_fn = _selective_context if mode == "selective" else noop_context_fn
+    for block in blocks.values():
+        block.forward = functools.partial(_recomputed, block.forward, context_fn)

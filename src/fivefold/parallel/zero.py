@@ -1,0 +1,135 @@
+"""ZeRO-1 and ZeRO-2 (ours): optimizer state, and at stage 2 gradients, sharded over dp.
+
+Parameters are grouped into flat buckets (parallel/buckets.py); rank s of the dp_shard group owns
+the s-th equal chunk of every bucket. It keeps an fp32 master copy of that chunk and the AdamW
+state for it. A step: reduce-scatter each bucket's gradients (each rank receives the summed
+gradient of its chunk), AdamW on the chunks, all-gather the updated chunks into the parameters.
+AdamW's weight decay is uniform (train/optim.py), so the update is elementwise and a chunk that
+cuts through a tensor gets exactly the update the whole tensor would.
+
+- zero 1: gradients stay whole in `param.grad` over the micro-batches and are reduced once.
+- zero 2: each micro-batch's gradients are reduce-scattered as soon as a bucket is complete and
+  accumulated into the chunk; whole gradients never outlive their bucket.
+HSDP: chunks are owned within a dp_shard group; groups then all-reduce their chunk gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.parallel.buckets import make_buckets
+from fivefold.parallel.data import DataParallel
+from fivefold.parallel.grad_norm import (clip_coefficient, copies_of_local_piece, global_norm,
+                                         settle_partial_grad, weighted_square_sum)
+from fivefold.train.optim import adamw
+
+# torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedOptimizerDataParallel(DataParallel):
+    def __init__(self, model, dims, ledger, mesh, shard_grads: bool):
+        super().__init__(model, dims, ledger)
+        self.name = (f"zero {2 if shard_grads else 1}: optimizer state{' and gradients' if shard_grads else ''} "
+                     f"sharded over {dims.dp_shard} ranks" + (f", replicated x{dims.dp_replicate}" if dims.dp_replicate > 1 else ""))
+        self.shard_grads = shard_grads
+        self.shard_group = mesh["dp_shard"].get_group()
+        self.replicate_group = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
+        self.n_shards, self.shard_rank = dims.dp_shard, mesh["dp_shard"].get_local_rank()
+        self.buckets = make_buckets(self.params, padded_to=self.n_shards)
+        self.chunks = [nn.Parameter(b.pack_params().chunk(self.n_shards)[self.shard_rank].clone())
+                       for b in self.buckets]
+        self._segments = [self._norm_segments(b) for b in self.buckets]
+        self._syncing, self._next_bucket, self._pending = False, 0, []
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.register_post_accumulate_grad_hook(self._make_hook(bucket))
+
+    def _norm_segments(self, bucket) -> list[tuple[int, int, int]]:
+        """(start, end, copies) of each parameter's part inside this rank's chunk of `bucket`."""
+        chunk = bucket.padded // self.n_shards
+        lo, hi = self.shard_rank * chunk, (self.shard_rank + 1) * chunk
+        segments = []
+        for param, offset, size in zip(bucket.params, bucket.offsets, bucket.sizes):
+            start, end = max(lo, offset), min(hi, offset + size)
+            if start < end:
+                copies = copies_of_local_piece(param, self.norm_world) // self.n_shards
+                segments.append((start - lo, end - lo, copies))
+        return segments
+
+    def _make_hook(self, bucket):
+        def hook(param):
+            if self._syncing:
+                settle_partial_grad(param)
+                bucket.mark_ready(param)
+                self._launch_ready_buckets()
+        return hook
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].all_ready:
+            index = self._next_bucket
+            bucket, chunk = self.buckets[index], self.chunks[index]
+            bucket.pack_grads(scale=1.0 / self.dims.dp)
+            for param in bucket.params:
+                param.grad = None  # the bucket holds these gradients now
+            received = torch.empty_like(chunk)
+            handle = _reduce_scatter(received, bucket.buffer, group=self.shard_group, async_op=True)
+            self.ledger.reduce_scatter("dp", bucket.buffer, self.n_shards)
+            self._pending.append((index, received, handle))
+            self._next_bucket += 1
+
+    def _complete_pending(self) -> None:
+        for index, received, handle in self._pending:
+            handle.wait()
+            chunk = self.chunks[index]
+            chunk.grad = received if chunk.grad is None else chunk.grad.add_(received)
+            if self.shard_grads:
+                self.buckets[index].release()  # whole gradients never outlive their bucket
+        for bucket in self.buckets:
+            bucket.reset()
+        self._pending, self._next_bucket = [], 0
+
+    def begin_micro_batch(self, is_last: bool) -> None:
+        # zero 2 reduces every micro-batch; zero 1 only the last one's accumulated gradients.
+        self._syncing = self.shard_grads or is_last
+
+    def end_micro_batch(self) -> None:
+        if self.shard_grads:
+            self._flush()
+
+    def _flush(self) -> None:
+        for bucket in self.buckets[self._next_bucket:]:
+            bucket.mark_all_ready()
+        self._launch_ready_buckets()
+        self._complete_pending()
+
+    def finish_grads(self) -> None:
+        self._flush()
+        if self.replicate_group is not None:
+            for chunk in self.chunks:
+                dist.all_reduce(chunk.grad, group=self.replicate_group)
+                self.ledger.all_reduce("dp", chunk.grad, self.dims.dp_replicate)
+        self._syncing = False
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        pieces = [(chunk.grad[start:end], copies) for chunk, segments in zip(self.chunks, self._segments)
+                  for start, end, copies in segments]
+        norm = global_norm(weighted_square_sum(pieces))
+        coefficient = clip_coefficient(norm, max_norm)
+        if coefficient < 1.0:
+            torch._foreach_mul_([c.grad for c in self.chunks], coefficient)
+        return norm
+
+    def build_optimizer(self, cfg) -> torch.optim.Optimizer:
+        return adamw(self.chunks, cfg)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        for bucket, chunk in zip(self.buckets, self.chunks):
+            gathered = torch.empty(bucket.padded, dtype=chunk.dtype, device=chunk.device)
+            _all_gather(gathered, chunk.detach(), group=self.shard_group)
+            self.ledger.all_gather("dp", gathered, self.n_shards)
+            bucket.unpack_params(gathered)

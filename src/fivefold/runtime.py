@@ -1,0 +1,51 @@
+"""Where this process runs: rank, world size, device, and the default process group.
+
+The launcher (ours or torchrun) describes the job in environment variables; a plain `python`
+process without them is a one-rank job that never creates a process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def runtime_from_env() -> Runtime:
+    """Read the job shape without creating anything (validation runs before any process group)."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
+    return Runtime(rank, world, local_rank, device)
+
+
+def init_process_group(rt: Runtime, timeout_s: float) -> None:
+    """Create the default group once (gloo on CPU, nccl on CUDA); every collective gets `timeout_s`."""
+    if rt.world_size == 1 or dist.is_initialized():
+        return
+    if rt.device.type == "cuda":
+        torch.cuda.set_device(rt.device)
+    backend = "nccl" if rt.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=rt.device if backend == "nccl" else None)

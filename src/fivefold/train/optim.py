@@ -1,0 +1,46 @@
+"""AdamW and the learning-rate schedules (warmup, then cosine, WSD or constant)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fivefold.config import TrainConfig
+
+
+def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Weight decay applies to every parameter alike.
+
+    Uniform decay keeps the update elementwise, so a ZeRO shard of any slice of any parameter gets
+    exactly the update the whole tensor would (torchtitan makes the same choice).
+    """
+    fused = None
+    params = list(params)
+    if params and params[0].is_cuda:
+        fused = True  # one kernel for the whole update on GPU
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                             weight_decay=cfg.weight_decay, fused=fused)
+
+
+def lr_multiplier(step: int, cfg: TrainConfig) -> float:
+    """Factor on cfg.lr for optimizer step `step` (0-based)."""
+    if cfg.warmup and step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        span = max(1, cfg.steps - cfg.warmup)
+        progress = min(1.0, (step - cfg.warmup) / span)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    # WSD: warmup, a long stable phase at the peak, then a linear decay over the last steps.
+    decay_steps = max(1, int(cfg.steps * cfg.decay_fraction))
+    decay_start = cfg.steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    return 1.0 - (1 - floor) * min(1.0, (step - decay_start + 1) / decay_steps)
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))

@@ -1,0 +1,138 @@
+"""The training loop: the same code for one process and for any layout.
+
+Step k: draw the global batch of step k, keep this data-parallel rank's share, run its micro-batches
+(gradient accumulation), reduce gradients once, clip by the global norm, update, log. The loss
+logged is the mean cross-entropy over every token of the global batch, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fivefold.config import Config
+from fivefold.mesh import ParallelDims
+from fivefold.models import build_model
+from fivefold.parallel.parallelize import Parallelized, parallelize
+from fivefold.runtime import Runtime, init_process_group, runtime_from_env
+from fivefold.train.data import GlobalBatchSampler, Split, load_splits, rank_slice
+from fivefold.train.metrics import MetricsWriter, flops_per_token, peak_flops
+from fivefold.train.optim import lr_scheduler
+from fivefold.validate import check_supported, validate
+
+
+@dataclass
+class TrainResult:
+    """What a run returns to its caller (tests and benchmarks use it; users read metrics.jsonl)."""
+
+    records: list[dict] = field(default_factory=list)
+    parallel: Parallelized | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records]
+
+
+def micro_batches(cfg: Config) -> int:
+    """Micro-batches per step on each data-parallel rank (DESIGN.md batch arithmetic)."""
+    per_rank = cfg.train.global_batch // cfg.parallel.dp
+    return per_rank // (cfg.train.micro_batch or per_rank)
+
+
+def autocast(cfg: Config, device: torch.device):
+    """bf16 compute over fp32 parameters: the fp32 weights are the master copy, and gradients
+    (of fp32 leaves) are fp32, so every reduction happens in fp32."""
+    if cfg.train.dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def setup(cfg: Config, rt: Runtime | None = None) -> tuple[Runtime, Parallelized]:
+    """Validate, create the process group, build and parallelize the model."""
+    rt = rt or runtime_from_env()
+    validate(cfg, rt.world_size)
+    check_supported(cfg)
+    init_process_group(rt, cfg.parallel.timeout_s)
+    dims = ParallelDims.from_config(cfg.parallel)
+    model = build_model(cfg.model, cfg.train.seed)
+    return rt, parallelize(model, dims, cfg, rt.device)
+
+
+@torch.no_grad()
+def evaluate(par: Parallelized, split: Split, cfg: Config, device: torch.device) -> float:
+    """Mean loss over the first `eval_batches` global batches of the held-out split."""
+    sampler = GlobalBatchSampler(split.num_windows, cfg.train.global_batch, seed=cfg.train.seed + 1)
+    total = 0.0
+    for step in range(cfg.train.eval_batches):
+        local = rank_slice(split.windows(sampler.indices(step)), par.dp_rank, cfg.parallel.dp).to(device)
+        with autocast(cfg, device):
+            total += par.loss_value(par.loss(par.model(local[:, :-1]), local[:, 1:])).item()
+    return par.mean_over_dp(total / cfg.train.eval_batches)
+
+
+def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
+    rt, par = setup(cfg, rt)
+    t = cfg.train
+    train_split, val_split = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
+    sampler = GlobalBatchSampler(train_split.num_windows, t.global_batch, t.seed)
+    optimizer = par.optimizer(t)
+    scheduler = lr_scheduler(optimizer, t)
+    n_micro = micro_batches(cfg)
+    tokens_per_step = t.global_batch * t.seq_len
+    flops_per_step = flops_per_token(cfg.model, par.n_params, t.seq_len) * tokens_per_step
+    peak = peak_flops(rt.device, t.dtype)
+    writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard)
+    writer.note(par.describe())
+    result = TrainResult(parallel=par)
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+
+    for step in range(sampler.step, t.steps):
+        start = time.perf_counter()
+        batch = rank_slice(train_split.windows(sampler.next_indices()), par.dp_rank, cfg.parallel.dp)
+        batch = batch.to(rt.device, non_blocking=True)
+        loss_sum = torch.zeros((), device=rt.device)
+        for micro, chunk in enumerate(batch.chunk(n_micro)):
+            with par.grad_sync(is_last=micro == n_micro - 1):
+                with autocast(cfg, rt.device):
+                    loss = par.loss(par.model(chunk[:, :-1]), chunk[:, 1:]) / n_micro
+                par.backward(loss)
+            loss_sum += par.loss_value(loss)
+        par.finish_grads()
+        grad_norm = par.clip_grad_norm(t.grad_clip)
+        lr = optimizer.param_groups[0]["lr"]
+        par.optimizer_step(optimizer)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        loss_value = par.mean_over_dp(loss_sum.item())
+        step_time = time.perf_counter() - start
+        world_tokens_per_sec = tokens_per_step / step_time
+        record = {
+            "step": step + 1, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+            "tokens_per_sec": world_tokens_per_sec,
+            "mfu": flops_per_step / step_time / (peak * rt.world_size) if peak else None,
+            "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device),
+            "comm_bytes": par.comm_bytes_last_step(),
+        }
+        if t.eval_every and (step + 1) % t.eval_every == 0 and val_split.num_windows:
+            record["val_loss"] = evaluate(par, val_split, cfg, rt.device)
+        result.records.append(record)
+        writer.log(record)
+    writer.close()
+    return result
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        import resource  # CPU: the process's peak resident set, the closest honest figure
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except ImportError:
+        return None
+

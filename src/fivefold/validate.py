@@ -1,0 +1,172 @@
+"""`validate(config, world_size)`: every check that can be made before a process group exists.
+
+Each failure is one sentence naming the key(s) and the fix. Checks run in a fixed order so the
+first problem reported is the most basic one (a bad value before a bad combination).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fivefold.config import Config, ConfigError
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "zbv", "dualpipev")
+CP_METHODS = ("ring", "allgather", "ulysses")
+DIMS = ("pp", "dp", "cp", "tp")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: str, choices) -> None:
+    _require(value in choices, f"{key}='{value}' is not one of {', '.join(choices)}")
+
+
+def _positive(key: str, value) -> None:
+    _require(value > 0, f"{key} must be > 0, got {value}")
+
+
+def _divides(key: str, degree: int, what: str, amount: int) -> None:
+    _require(amount % degree == 0,
+             f"{key}={degree} does not divide {what}={amount}; choose a value among {_divisors(amount)}")
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                "rope_theta", "norm_eps"):
+        _positive(f"model.{key}", getattr(m, key))
+    _divides("model.n_heads", m.n_heads, "model.dim", m.dim)
+    _divides("model.n_kv_heads", m.n_kv_heads, "model.n_heads", m.n_heads)
+    _require(m.head_dim % 2 == 0, f"model.dim/model.n_heads = {m.head_dim} must be even for RoPE; "
+             "change model.dim or model.n_heads")
+    _require(m.rope_scaling >= 0, f"model.rope_scaling must be >= 0 (0 = off), got {m.rope_scaling}")
+    e = m.moe
+    if e.n_experts < 0:
+        raise ConfigError(f"model.moe.n_experts must be >= 0 (0 = dense), got {e.n_experts}")
+    if e.n_experts > 0:
+        _require(1 <= e.top_k <= e.n_experts,
+                 f"model.moe.top_k={e.top_k} must be between 1 and model.moe.n_experts={e.n_experts}")
+        _one_of("model.moe.score", e.score, ("softmax", "sigmoid"))
+        _one_of("model.moe.balance", e.balance, ("aux_loss", "bias", "none"))
+        _require(e.capacity_factor >= 0, "model.moe.capacity_factor must be > 0, or 0 for dropless; "
+                 f"got {e.capacity_factor}")
+        _positive("model.moe.every", e.every)
+        _require(0 <= e.first_dense < m.n_layers, f"model.moe.first_dense={e.first_dense} must be "
+                 f"between 0 and model.n_layers-1={m.n_layers - 1}")
+
+
+def _check_train(cfg: Config) -> None:
+    t, m = cfg.train, cfg.model
+    for key in ("steps", "seq_len", "global_batch", "lr"):
+        _positive(f"train.{key}", getattr(t, key))
+    _require(t.micro_batch >= 0, f"train.micro_batch must be >= 0 (0 = whole per-rank batch), got {t.micro_batch}")
+    _require(t.warmup >= 0, f"train.warmup must be >= 0, got {t.warmup}")
+    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be between 0 and 1, got {t.min_lr_ratio}")
+    _require(0 < t.decay_fraction <= 1, f"train.decay_fraction must be in (0, 1], got {t.decay_fraction}")
+    _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {t.grad_clip}")
+    _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0 = off), got {t.eval_every}")
+    _one_of("train.schedule", t.schedule, ("cosine", "wsd", "constant"))
+    _one_of("train.dtype", t.dtype, ("fp32", "bf16"))
+    _one_of("train.recompute", t.recompute, ("none", "selective", "full"))
+    _require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len="
+             f"{m.max_seq_len}; lower train.seq_len or raise model.max_seq_len")
+
+
+def _check_parallel(cfg: Config, world_size: int | None) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    for key in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "timeout_s", "gpus_per_node"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    _require(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} is outside 0-3 (0 replicate, 1 shard "
+             "optimizer state, 2 also gradients, 3 also parameters)")
+    _require(p.dp_shard >= 0, f"parallel.dp_shard must be >= 0 (0 = all of dp), got {p.dp_shard}")
+    if p.dp_shard:
+        _divides("parallel.dp_shard", p.dp_shard, "parallel.dp", p.dp)
+        _require(p.dp_shard == p.dp or p.zero > 0, "parallel.dp_shard < parallel.dp (HSDP) needs "
+                 "parallel.zero >= 1: there is nothing to shard at zero 0")
+    _one_of("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    _one_of("parallel.cp_method", p.cp_method, CP_METHODS)
+    order = [d.strip() for d in p.order.split(",")]
+    _require(sorted(order) == sorted(DIMS), f"parallel.order='{p.order}' must name each of "
+             f"{', '.join(DIMS)} once, outermost first (e.g. 'pp,dp,cp,tp')")
+
+    if world_size is not None:
+        product = p.dp * p.tp * p.pp * p.cp
+        _require(product == world_size, f"parallel.dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {product} "
+                 f"but the job has {world_size} ranks; make the degrees multiply to {world_size}")
+
+    _divides("parallel.tp", p.tp, "model.n_heads", m.n_heads)
+    _divides("parallel.tp", p.tp, "model.n_kv_heads", m.n_kv_heads)
+    _divides("parallel.tp", p.tp, "model.ffn_dim", m.ffn_dim)
+    _divides("parallel.tp", p.tp, "model.vocab_size", m.vocab_size)  # vocab-parallel embedding/output
+    if p.tp > 1 and p.sp:
+        _require(t.seq_len % (p.tp * p.cp) == 0, f"train.seq_len={t.seq_len} is not divisible by "
+                 f"parallel.tp*cp={p.tp * p.cp}, which sequence parallelism needs; change train.seq_len "
+                 "or set parallel.sp=false")
+
+    # Batch arithmetic (DESIGN.md): global_batch = dp * micro_batch * micro-batches per step.
+    _divides("parallel.dp", p.dp, "train.global_batch", t.global_batch)
+    if t.micro_batch:
+        per_rank = t.global_batch // p.dp
+        _require(per_rank % t.micro_batch == 0, f"train.micro_batch={t.micro_batch} does not divide the "
+                 f"per-rank batch train.global_batch/parallel.dp = {per_rank}; choose a divisor of {per_rank}")
+
+    if m.moe.n_experts > 0 and p.ep > 1:
+        _divides("parallel.ep", p.ep, "model.moe.n_experts", m.moe.n_experts)
+
+
+
+def _check_data(cfg: Config) -> None:
+    d, m = cfg.data, cfg.model
+    _require(0 <= d.val_fraction < 0.5, f"data.val_fraction must be in [0, 0.5), got {d.val_fraction}")
+    if d.source != "builtin":
+        _require(Path(d.source).exists(), f"data.source '{d.source}' does not exist; give a text/jsonl/"
+                 "parquet file or folder, or 'builtin'")
+    if d.tokenizer == "byte":
+        _require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size} is too small for the byte "
+                 "tokenizer; it needs at least 256")
+    else:
+        _require(Path(d.tokenizer).is_file(), f"data.tokenizer '{d.tokenizer}' is not a file; give a "
+                 "Hugging Face tokenizer.json or 'byte'")
+
+
+def _check_checkpoint(cfg: Config) -> None:
+    c = cfg.checkpoint
+    _require(c.every >= 0, f"checkpoint.every must be >= 0 (0 = never), got {c.every}")
+    _require(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
+    _require(c.resume in ("none", "auto") or Path(c.resume).exists(),
+             f"checkpoint.resume='{c.resume}' must be none, auto, or an existing checkpoint folder")
+    _require(c.every == 0 or c.dir or cfg.log.dir, "checkpoint.every > 0 needs checkpoint.dir or log.dir "
+             "to say where checkpoints go")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Raise ConfigError on the first problem; return the config unchanged when it is sound."""
+    _check_model(cfg)
+    _check_train(cfg)
+    _check_parallel(cfg, world_size)
+    _check_data(cfg)
+    _check_checkpoint(cfg)
+    return cfg
+
+
+def check_supported(cfg: Config) -> None:
+    """Training-only refusals of what the config language has but the trainer does not do yet.
+
+    The planner evaluates these layouts; the trainer refuses them instead of ignoring them.
+    """
+    p, m = cfg.parallel, cfg.model
+    for key, issue in (("pp", 4), ("cp", 5), ("ep", 6)):
+        _require(getattr(p, key) == 1, f"parallel.{key}={getattr(p, key)} is not available yet "
+                 f"(it lands with issue #{issue}); set parallel.{key}=1")
+    _require(m.moe.n_experts == 0, "model.moe.n_experts > 0 (MoE training) is not available yet "
+             "(it lands with issue #6); use a dense preset such as 'tiny'")
+    _require(cfg.checkpoint.every == 0 and cfg.checkpoint.resume == "none",
+             "checkpointing is not available yet (it lands with issue #8); leave checkpoint.every=0 "
+             "and checkpoint.resume='none'")

@@ -1,0 +1,76 @@
+"""Shared pieces of the layout-equivalence tests: one tiny config, a single-process reference,
+and the comparison every parallel layout must pass (DESIGN.md principle 1)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fivefold.config import load_config
+
+# fp32, 6 steps, a model small enough for many layouts per minute on 2 cores.
+BASE = {
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128},
+    "train": {"steps": 6, "seq_len": 32, "global_batch": 8, "lr": 3e-3, "warmup": 2, "seed": 3},
+    "data": {"builtin_max_bytes": 200_000},
+    "log": {"progress": False},
+}
+
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in top.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def tiny_config(overrides: dict | None = None):
+    return load_config(None, _merge(BASE, overrides or {}))
+
+
+def run_layout(overrides: dict) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Train the tiny config under the current process group (or alone): losses, gradient norms
+    (AdamW hides a wrongly scaled gradient from the losses; the norm does not) and full weights."""
+    from fivefold.train.trainer import train
+
+    result = train(tiny_config(overrides))
+    norms = [r["grad_norm"] for r in result.records]
+    return result.losses, norms, result.parallel.full_state_dict()
+
+
+def run_layouts(layouts: list[dict]) -> list:
+    """Several layouts one after another inside one group of ranks (start-up costs dominate)."""
+    return [run_layout(layout) for layout in layouts]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(key: str):
+    import json
+
+    return run_layout(json.loads(key))
+
+
+def reference(model_and_train: dict | None = None):
+    """The single-process run of the same model/train settings (cached per settings)."""
+    import json
+
+    kept = {s: v for s, v in (model_and_train or {}).items() if s != "parallel"}
+    return _reference(json.dumps(kept, sort_keys=True))
+
+
+def assert_same_run(got, want, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL, label=""):
+    losses, norms, weights = got
+    ref_losses, ref_norms, ref_weights = want
+    assert len(losses) == len(ref_losses), label
+    for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
+        assert abs(a - b) <= loss_rtol * abs(b), f"{label}: step {step} loss {a} != {b}"
+    for step, (a, b) in enumerate(zip(norms, ref_norms), 1):
+        assert abs(a - b) <= loss_rtol * abs(b), f"{label}: step {step} grad norm {a} != {b}"
+    assert weights.keys() == ref_weights.keys(), f"{label}: parameter names differ"
+    for name, tensor in weights.items():
+        diff = (tensor - ref_weights[name]).abs().max().item()
+        assert diff <= weight_atol, f"{label}: {name} differs by {diff}"
