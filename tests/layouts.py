@@ -4,6 +4,7 @@ and the comparison every parallel layout must pass (DESIGN.md principle 1)."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -32,14 +33,28 @@ def tiny_config(overrides: dict | None = None):
     return load_config(None, _merge(BASE, overrides or {}))
 
 
-def run_layout(overrides: dict) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """Train the tiny config under the current process group (or alone): losses, gradient norms
-    (AdamW hides a wrongly scaled gradient from the losses; the norm does not) and full weights."""
+@dataclass
+class Run:
+    losses: list[float]
+    grad_norms: list[float]  # AdamW hides a wrongly scaled gradient from the losses; the norm does not
+    weights: dict[str, torch.Tensor]  # whole tensors, gathered
+    comm: dict[str, int]  # the ledger of the last step
+    state_bytes: dict[str, int]  # this rank's parameter / gradient / optimizer bytes
+    local_wq: torch.Tensor  # this rank's piece of layers.0.attention.wq.weight
+
+
+def run_layout(overrides: dict) -> Run:
+    """Train the tiny config under the current process group (or alone)."""
+    from torch.distributed.tensor import DTensor
+
     from fivefold.train.trainer import train
 
     result = train(tiny_config(overrides))
-    norms = [r["grad_norm"] for r in result.records]
-    return result.losses, norms, result.parallel.full_state_dict()
+    wq = result.parallel.model.layers["0"].attention.wq.weight
+    return Run(losses=result.losses, grad_norms=[r["grad_norm"] for r in result.records],
+               weights=result.parallel.full_state_dict(), comm=result.records[-1]["comm_bytes"],
+               state_bytes=result.state_bytes,
+               local_wq=(wq.to_local() if isinstance(wq, DTensor) else wq).detach().clone())
 
 
 def run_layouts(layouts: list[dict]) -> list:
@@ -63,8 +78,8 @@ def reference(model_and_train: dict | None = None):
 
 
 def assert_same_run(got, want, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL, label=""):
-    losses, norms, weights = got
-    ref_losses, ref_norms, ref_weights = want
+    losses, norms, weights = got.losses, got.grad_norms, got.weights
+    ref_losses, ref_norms, ref_weights = want.losses, want.grad_norms, want.weights
     assert len(losses) == len(ref_losses), label
     for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
         assert abs(a - b) <= loss_rtol * abs(b), f"{label}: step {step} loss {a} != {b}"

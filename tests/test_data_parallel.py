@@ -29,3 +29,42 @@ def test_dp2_matches_single_process(two_rank_results, index):
     want = reference(layout)
     for rank, results in enumerate(two_rank_results):
         assert_same_run(results[index], want, label=f"{layout} rank {rank}")
+
+
+def _params(run) -> int:
+    return sum(t.numel() for t in run.weights.values())
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_ledger_matches_ring_all_reduce(two_rank_results, zero):
+    """Measured dp bytes = 2(N-1)/N of the fp32 gradients (+8 for the float64 loss average)."""
+    run = two_rank_results[0][zero]
+    assert run.comm["dp"] == 2 * (2 - 1) / 2 * 4 * _params(run) + 8
+
+
+def test_ledger_zero3_is_about_one_and_a_half_all_reduces(two_rank_results):
+    run = two_rank_results[0][3]
+    ratio = run.comm["dp"] / (2 * (2 - 1) / 2 * 4 * _params(run))
+    # 1.5 minus the root unit (embedding, final norm) that FSDP2 keeps gathered from forward to backward.
+    assert 1.4 < ratio <= 1.5
+
+
+# Bytes per rank as multiples of P = 4 bytes x parameters, for dp = 2. ZeRO-1/2 keep an fp32
+# master copy of their chunk as optimizer state (3 tensors of the chunk instead of AdamW's 2).
+EXPECTED_STATE = {
+    0: {"params": 1, "grads": 1, "optimizer": 2},
+    1: {"params": 1, "grads": 1 + 1 / 2, "optimizer": 3 / 2},
+    2: {"params": 1, "grads": 1 / 2, "optimizer": 3 / 2},
+    3: {"params": 1 / 2, "grads": 1 / 2, "optimizer": 2 / 2},
+}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_memory_per_rank_matches_zero_stage(two_rank_results, zero):
+    for rank_results in two_rank_results:
+        run = rank_results[zero]
+        full = 4 * _params(run)
+        for part, multiple in EXPECTED_STATE[zero].items():
+            got = run.state_bytes[part] / full
+            # Chunks are padded to split evenly: allow a few elements per bucket.
+            assert abs(got - multiple) < 0.01, f"zero {zero} {part}: {got:.3f} x P, expected {multiple}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -163,9 +164,14 @@ def _suggest(name: str, choices) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+class CliText(str):
+    """A value typed on the command line: text to be parsed as the key's type (a TOML value
+    must already have the right type)."""
+
+
 def _coerce(key: str, value, typ):
-    """Check `value` (from TOML, or a string from the command line) against `typ`."""
-    if isinstance(value, str) and typ is not str:
+    """Check `value` (from TOML, or text from the command line) against `typ`."""
+    if isinstance(value, CliText) and typ is not str:
         text = value.strip()
         try:
             if typ is bool:
@@ -258,7 +264,7 @@ def parse_overrides(args: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--{dotted} conflicts with another override")
-        node[key] = value
+        node[key] = CliText(value)
     return nested
 
 
@@ -303,7 +309,7 @@ def to_toml(cfg: Config) -> str:
             elif isinstance(value, bool):
                 lines.append(f"{f.name} = {'true' if value else 'false'}")
             elif isinstance(value, str):
-                lines.append(f'{f.name} = "{value}"')
+                lines.append(f"{f.name} = {json.dumps(value, ensure_ascii=False)}")  # TOML-escaped
             else:
                 lines.append(f"{f.name} = {value!r}")
         lines.append("")

@@ -134,6 +134,11 @@ def _check_data(cfg: Config) -> None:
     else:
         _require(Path(d.tokenizer).is_file(), f"data.tokenizer '{d.tokenizer}' is not a file; give a "
                  "Hugging Face tokenizer.json or 'byte'")
+        from tokenizers import Tokenizer
+
+        n_tokens = Tokenizer.from_file(d.tokenizer).get_vocab_size()
+        _require(n_tokens <= m.vocab_size, f"the tokenizer has {n_tokens} tokens but model.vocab_size="
+                 f"{m.vocab_size}; raise model.vocab_size to at least {n_tokens}")
 
 
 def _check_checkpoint(cfg: Config) -> None:

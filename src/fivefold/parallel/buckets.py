@@ -29,6 +29,10 @@ class Bucket:
             self._buffer = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         return self._buffer
 
+    @property
+    def allocated(self) -> bool:
+        return self._buffer is not None
+
     def release(self) -> None:
         self._buffer = None
 

@@ -1,9 +1,11 @@
-"""The communication ledger: bytes this rank sends per step in each parallel dimension.
+"""The communication ledger: bytes this rank sends per step in each parallel dimension, measured.
 
-Each collective we issue is entered with its tensor's size and group, and counted as the bytes a
-rank sends under the ring algorithm (all-reduce 2(N-1)/N of the buffer, reduce-scatter and
-all-gather (N-1)/N of the full buffer). Collectives issued inside PyTorch (FSDP2, DTensor) are
-entered by the code that knows their schedule.
+While a step runs, a dispatch mode sees every collective that reaches PyTorch's dispatcher — ours,
+FSDP2's and DTensor's alike — with its tensors and its process group. The group says which
+dimension it belongs to (tp, dp, ...); the tensor sizes give the bytes a rank sends under the ring
+algorithms (all-reduce 2(N-1)/N of the buffer; reduce-scatter, all-gather and all-to-all (N-1)/N of
+the full buffer; point-to-point the whole tensor). Groups not named by the mesh (e.g. the world
+group of the gradient-norm all-reduce) are counted under "other".
 """
 
 from __future__ import annotations
@@ -11,25 +13,86 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class CommLedger:
-    def __init__(self):
+def _group_of(arg) -> tuple[str, int] | None:
+    """(group name, size) from a c10d op's ProcessGroup or a functional op's group name."""
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            group = dist.ProcessGroup.unbox(arg)
+        except (RuntimeError, TypeError):
+            return None
+        return group.group_name, group.size()
+    return None
+
+
+def _functional_group_size(name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name).size()
+
+
+def _nbytes(tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, (list, tuple)):
+        return sum(_nbytes(t) for t in tensors)
+    return 0
+
+
+# Bytes a rank sends, as a fraction of the named tensor's bytes: op name -> (which arg, rule).
+# Rules: "ar" 2(N-1)/N, "full" (N-1)/N of a full buffer, "shard" (N-1) x the per-rank shard, "p2p" 1.
+_C10D = {
+    "allreduce_": (0, "ar"), "_allgather_base_": (1, "shard"), "allgather_": (1, "shard"),
+    "allgather_into_tensor_coalesced_": (1, "shard"), "_reduce_scatter_base_": (1, "full"),
+    "reduce_scatter_": (1, "full"), "reduce_scatter_tensor_coalesced_": (1, "full"),
+    "alltoall_base_": (1, "full"), "alltoall_": (1, "full"), "send": (0, "p2p"),
+}
+_FUNCTIONAL = {
+    "all_reduce": (0, "ar"), "all_reduce_coalesced": (0, "ar"), "all_gather_into_tensor": (0, "shard"),
+    "all_gather_into_tensor_coalesced": (0, "shard"), "reduce_scatter_tensor": (0, "full"),
+    "reduce_scatter_tensor_coalesced": (0, "full"), "all_to_all_single": (0, "full"),
+}
+
+
+def _sent(rule: str, nbytes: int, n: int) -> float:
+    if rule == "ar":
+        return 2 * (n - 1) / n * nbytes
+    if rule == "full":
+        return (n - 1) / n * nbytes
+    if rule == "shard":
+        return (n - 1) * nbytes
+    return float(nbytes)
+
+
+class CommLedger(TorchDispatchMode):
+    """Use as a context around a step; `take()` returns {dimension: bytes} and starts afresh."""
+
+    def __init__(self, group_dims: dict[str, str] | None = None):
+        super().__init__()
+        self.group_dims = group_dims or {}  # process-group name -> dimension label
         self._bytes: dict[str, float] = defaultdict(float)
 
-    def add(self, dim: str, nbytes: float) -> None:
-        self._bytes[dim] += nbytes
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        namespace, name = func.namespace, func._schema.name.split("::")[-1]
+        if namespace == "c10d" and name in _C10D:
+            which, rule = _C10D[name]
+            group = next((g for g in map(_group_of, args) if g is not None), None)
+            if group is not None:
+                self._add(group[0], _sent(rule, _nbytes(args[which]), group[1]))
+        elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
+            which, rule = _FUNCTIONAL[name]
+            group_name = next(a for a in reversed(args) if isinstance(a, str))
+            self._add(group_name, _sent(rule, _nbytes(args[which]), _functional_group_size(group_name)))
+        return out
 
-    def all_reduce(self, dim: str, tensor: torch.Tensor, group_size: int) -> None:
-        self.add(dim, 2 * (group_size - 1) / group_size * tensor.numel() * tensor.element_size())
-
-    def reduce_scatter(self, dim: str, full: torch.Tensor, group_size: int) -> None:
-        self.add(dim, (group_size - 1) / group_size * full.numel() * full.element_size())
-
-    all_gather = reduce_scatter  # same bytes: (N-1)/N of the gathered tensor
+    def _add(self, group_name: str, nbytes: float) -> None:
+        self._bytes[self.group_dims.get(group_name, "other")] += nbytes
 
     def take(self) -> dict[str, int]:
-        """Bytes since the last call, per dimension (and the step's record starts afresh)."""
-        out = {dim: int(round(n)) for dim, n in self._bytes.items()}
+        out = {dim: int(round(n)) for dim, n in sorted(self._bytes.items())}
         self._bytes.clear()
         return out

@@ -21,7 +21,6 @@ from torch import nn
 from fivefold.config import Config, TrainConfig
 from fivefold.mesh import ParallelDims
 from fivefold.parallel.buckets import Bucket, make_buckets
-from fivefold.parallel.comm_ledger import CommLedger
 from fivefold.parallel.grad_norm import (clip_coefficient, copies_of_local_piece, global_norm,
                                          local_tensor, settle_partial_grad, weighted_square_sum)
 from fivefold.train.optim import adamw
@@ -36,8 +35,8 @@ class DataParallel:
 
     name = "no data parallelism"
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, ledger: CommLedger):
-        self.model, self.dims, self.ledger = model, dims, ledger
+    def __init__(self, model: nn.Module, dims: ParallelDims):
+        self.model, self.dims = model, dims
         self.params = trainable(model)
         self.norm_world = dims.world_size // dims.pp  # ranks that together hold one full model
 
@@ -73,14 +72,31 @@ class DataParallel:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """Gradient storage beyond `param.grad` (flat buckets, sharded gradients)."""
+        return []
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds now for parameters, gradients and optimizer state (incl. masters)."""
+        def size(tensors) -> int:
+            return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
+
+        state = [v for s in optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        masters = [p for group in optimizer.param_groups for p in group["params"]
+                   if not any(p is q for q in self.params)]
+        return {"params": size(self.params),
+                "grads": size([p.grad for p in self.params if p.grad is not None] + self.gradient_buffers()),
+                "optimizer": size(state) + size(masters)}
+
 
 class ReplicatedDataParallel(DataParallel):
     """ZeRO-0: bucketed all-reduce of gradients, launched from gradient hooks during backward."""
 
     name = "zero 0: replicated parameters, bucketed gradient all-reduce"
 
-    def __init__(self, model, dims, ledger, group):
-        super().__init__(model, dims, ledger)
+    def __init__(self, model, dims, group):
+        super().__init__(model, dims)
         self.group, self.group_size = group, dist.get_world_size(group)
         self.buckets = make_buckets(self.params, padded_to=1)
         self._syncing = False
@@ -104,7 +120,6 @@ class ReplicatedDataParallel(DataParallel):
             bucket = self.buckets[self._next_bucket]
             bucket.pack_grads(scale=1.0 / self.group_size)
             self._handles.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
-            self.ledger.all_reduce("dp", bucket.buffer, self.group_size)
             self._next_bucket += 1
 
     def begin_micro_batch(self, is_last: bool) -> None:
@@ -120,20 +135,20 @@ class ReplicatedDataParallel(DataParallel):
         for bucket in self.buckets:
             bucket.unpack_grads()
             bucket.reset()
+            bucket.release()  # param.grad holds the reduced gradients; no second copy
         self._handles, self._next_bucket, self._syncing = [], 0, False
 
 
 def build_data_parallel(model: nn.Module, dims: ParallelDims, mesh, cfg: Config) -> DataParallel:
-    ledger = CommLedger()
     if dims.dp * dims.cp == 1:
-        return DataParallel(model, dims, ledger)
+        return DataParallel(model, dims)
     zero = cfg.parallel.zero
     if zero == 0:
-        return ReplicatedDataParallel(model, dims, ledger, mesh["dp_cp"].get_group())
+        return ReplicatedDataParallel(model, dims, mesh["dp_cp"].get_group())
     if zero in (1, 2):
         from fivefold.parallel.zero import ShardedOptimizerDataParallel
 
-        return ShardedOptimizerDataParallel(model, dims, ledger, mesh, shard_grads=zero == 2)
+        return ShardedOptimizerDataParallel(model, dims, mesh, shard_grads=zero == 2)
     from fivefold.parallel.fsdp import FullyShardedDataParallel
 
-    return FullyShardedDataParallel(model, dims, ledger, mesh)
+    return FullyShardedDataParallel(model, dims, mesh)

@@ -13,7 +13,7 @@ from fivefold.parallel.data import DataParallel
 
 
 class FullyShardedDataParallel(DataParallel):
-    def __init__(self, model, dims, ledger, mesh):
+    def __init__(self, model, dims, mesh):
         hsdp = dims.dp_replicate > 1
         self.dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
         self.units = []
@@ -21,7 +21,7 @@ class FullyShardedDataParallel(DataParallel):
             fully_shard(block, mesh=self.dp_mesh, reshard_after_forward=True)
             self.units.append(block)
         fully_shard(model, mesh=self.dp_mesh)
-        super().__init__(model, dims, ledger)  # parameters are DTensors from here on
+        super().__init__(model, dims)  # parameters are DTensors from here on
         self.name = (f"zero 3 (FSDP2): parameters, gradients and optimizer state sharded over "
                      f"{dims.dp_shard} ranks" + (f", replicated x{dims.dp_replicate} (HSDP)" if hsdp else ""))
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from fivefold.config import Config, TrainConfig
 from fivefold.mesh import ParallelDims
+from fivefold.parallel.comm_ledger import CommLedger
 from fivefold.parallel.data import DataParallel, build_data_parallel
 from fivefold.parallel.recompute import apply_recompute
 
@@ -34,6 +35,7 @@ class Parallelized:
         self._loss_parallel = loss_parallel
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         self._dp_cp_group = mesh["dp_cp"].get_group() if mesh is not None else None
+        self.ledger = CommLedger(group_dimensions(mesh)) if mesh is not None else None
 
     def _loss_context(self):
         if self._loss_parallel:
@@ -73,8 +75,15 @@ class Parallelized:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.data_parallel.optimizer_step(optimizer)
 
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return self.data_parallel.state_bytes(optimizer)
+
+    def measure_comm(self):
+        """Context around a step: the collectives inside it are entered in the ledger."""
+        return self.ledger if self.ledger is not None else contextlib.nullcontext()
+
     def comm_bytes_last_step(self) -> dict[str, int]:
-        return self.data_parallel.ledger.take()
+        return self.ledger.take() if self.ledger is not None else {}
 
     def mean_over_dp(self, value: float) -> float:
         """Average a per-rank scalar over the ranks that split the batch (dp and cp)."""
@@ -100,6 +109,16 @@ class Parallelized:
         return (f"layout: dp={d.dp} (replicate {d.dp_replicate} x shard {d.dp_shard}) tp={d.tp} "
                 f"pp={d.pp} cp={d.cp} ep={d.ep} | {self.n_params / 1e6:.2f}M parameters | "
                 f"{self.data_parallel.name}")
+
+
+def group_dimensions(mesh) -> dict[str, str]:
+    """Process-group name -> the dimension its traffic belongs to, for the ledger."""
+    dims = {}
+    for view, label in (("dp_replicate", "dp"), ("dp_shard", "dp"), ("dp", "dp"), ("dp_cp", "dp"),
+                        ("cp", "cp"), ("tp", "tp"), ("pp", "pp")):
+        if mesh[view].size() > 1:
+            dims[mesh[view].get_group().group_name] = label
+    return dims
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device) -> Parallelized:

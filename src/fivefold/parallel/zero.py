@@ -31,8 +31,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class ShardedOptimizerDataParallel(DataParallel):
-    def __init__(self, model, dims, ledger, mesh, shard_grads: bool):
-        super().__init__(model, dims, ledger)
+    def __init__(self, model, dims, mesh, shard_grads: bool):
+        super().__init__(model, dims)
         self.name = (f"zero {2 if shard_grads else 1}: optimizer state{' and gradients' if shard_grads else ''} "
                      f"sharded over {dims.dp_shard} ranks" + (f", replicated x{dims.dp_replicate}" if dims.dp_replicate > 1 else ""))
         self.shard_grads = shard_grads
@@ -77,7 +77,6 @@ class ShardedOptimizerDataParallel(DataParallel):
                 param.grad = None  # the bucket holds these gradients now
             received = torch.empty_like(chunk)
             handle = _reduce_scatter(received, bucket.buffer, group=self.shard_group, async_op=True)
-            self.ledger.reduce_scatter("dp", bucket.buffer, self.n_shards)
             self._pending.append((index, received, handle))
             self._next_bucket += 1
 
@@ -107,11 +106,11 @@ class ShardedOptimizerDataParallel(DataParallel):
         self._complete_pending()
 
     def finish_grads(self) -> None:
-        self._flush()
+        if not self.shard_grads:  # zero 2 already reduced each micro-batch as it ended
+            self._flush()
         if self.replicate_group is not None:
             for chunk in self.chunks:
                 dist.all_reduce(chunk.grad, group=self.replicate_group)
-                self.ledger.all_reduce("dp", chunk.grad, self.dims.dp_replicate)
         self._syncing = False
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -123,6 +122,10 @@ class ShardedOptimizerDataParallel(DataParallel):
             torch._foreach_mul_([c.grad for c in self.chunks], coefficient)
         return norm
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        live_buckets = [b.buffer for b in self.buckets if b.allocated]
+        return live_buckets + [c.grad for c in self.chunks if c.grad is not None]
+
     def build_optimizer(self, cfg) -> torch.optim.Optimizer:
         return adamw(self.chunks, cfg)
 
@@ -131,5 +134,4 @@ class ShardedOptimizerDataParallel(DataParallel):
         for bucket, chunk in zip(self.buckets, self.chunks):
             gathered = torch.empty(bucket.padded, dtype=chunk.dtype, device=chunk.device)
             _all_gather(gathered, chunk.detach(), group=self.shard_group)
-            self.ledger.all_gather("dp", gathered, self.n_shards)
             bucket.unpack_params(gathered)

@@ -48,8 +48,10 @@ def flops_per_token(cfg: ModelConfig, total_params: int, seq_len: int) -> float:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, enabled: bool, every: int, total_steps: int, tensorboard: bool):
+    def __init__(self, run_dir: str, enabled: bool, every: int, total_steps: int, tensorboard: bool,
+                 progress: bool = True):
         self.enabled, self.every, self.total_steps = enabled, max(1, every), total_steps
+        self.progress = progress
         self._jsonl = None
         self._tb = None
         if not enabled:
@@ -77,7 +79,7 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and key != "step":
                     self._tb.add_scalar(key, value, record["step"])
         step = record["step"]
-        if step % self.every == 0 or step == self.total_steps or step == 1:
+        if self.progress and (step % self.every == 0 or step == self.total_steps or step == 1):
             self.print_line(record)
 
     def print_line(self, r: dict) -> None:
@@ -93,7 +95,7 @@ class MetricsWriter:
         print(" | ".join(parts), flush=True)
 
     def note(self, text: str) -> None:
-        if self.enabled:
+        if self.enabled and self.progress:
             print(text, flush=True)
 
     def close(self) -> None:

@@ -30,6 +30,9 @@ class TrainResult:
 
     records: list[dict] = field(default_factory=list)
     parallel: Parallelized | None = None
+    # Parameter / gradient / optimizer bytes on this rank, taken in the last step just before the
+    # update (everything is resident then).
+    state_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def losses(self) -> list[float]:
@@ -84,7 +87,8 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     tokens_per_step = t.global_batch * t.seq_len
     flops_per_step = flops_per_token(cfg.model, par.n_params, t.seq_len) * tokens_per_step
     peak = peak_flops(rt.device, t.dtype)
-    writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard)
+    writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
+                           cfg.log.progress)
     writer.note(par.describe())
     result = TrainResult(parallel=par)
     if rt.device.type == "cuda":
@@ -95,16 +99,19 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         batch = rank_slice(train_split.windows(sampler.next_indices()), par.dp_rank, cfg.parallel.dp)
         batch = batch.to(rt.device, non_blocking=True)
         loss_sum = torch.zeros((), device=rt.device)
-        for micro, chunk in enumerate(batch.chunk(n_micro)):
-            with par.grad_sync(is_last=micro == n_micro - 1):
-                with autocast(cfg, rt.device):
-                    loss = par.loss(par.model(chunk[:, :-1]), chunk[:, 1:]) / n_micro
-                par.backward(loss)
-            loss_sum += par.loss_value(loss)
-        par.finish_grads()
-        grad_norm = par.clip_grad_norm(t.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
-        par.optimizer_step(optimizer)
+        with par.measure_comm():
+            for micro, chunk in enumerate(batch.chunk(n_micro)):
+                with par.grad_sync(is_last=micro == n_micro - 1):
+                    with autocast(cfg, rt.device):
+                        loss = par.loss(par.model(chunk[:, :-1]), chunk[:, 1:]) / n_micro
+                    par.backward(loss)
+                loss_sum += par.loss_value(loss)
+            par.finish_grads()
+            grad_norm = par.clip_grad_norm(t.grad_clip)
+            if step == t.steps - 1:
+                result.state_bytes = par.state_bytes(optimizer)
+            par.optimizer_step(optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
