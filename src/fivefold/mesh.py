@@ -81,14 +81,17 @@ class ParallelDims:
                           "or lower parallel.tp", stacklevel=2)
 
     def build_mesh(self, device_type: str) -> "Meshes":
-        """The DeviceMesh over all ranks, with flattened views: "dp" (all data-parallel ranks) and
-        "dp_cp" (the ranks that reduce gradients and average the loss together)."""
+        """The DeviceMesh over all ranks, with flattened views: "dp" (all data-parallel ranks),
+        "dp_cp" (the ranks that reduce gradients and average the loss together) and "dp_shard_cp"
+        (the ranks that shard parameters / optimizer state: cp ranks hold the same weights as
+        their dp peers, so they share the shards)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         names = tuple(n for n, _ in self.mesh_dims)
         root = init_device_mesh(device_type, tuple(s for _, s in self.mesh_dims), mesh_dim_names=names)
         flattened = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
-                     "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")}
+                     "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+                     "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp")}
         return Meshes(root, flattened)
 
 

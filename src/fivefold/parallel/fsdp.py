@@ -15,7 +15,8 @@ from fivefold.parallel.data import DataParallel
 class FullyShardedDataParallel(DataParallel):
     def __init__(self, model, dims, mesh):
         hsdp = dims.dp_replicate > 1
-        self.dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
+        # cp ranks hold the same weights as their dp peers, so they shard them together.
+        self.dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if hsdp else mesh["dp_shard_cp"]
         self.units = []
         for block in model.layers.values():
             fully_shard(block, mesh=self.dp_mesh, reshard_after_forward=True)
@@ -23,7 +24,7 @@ class FullyShardedDataParallel(DataParallel):
         fully_shard(model, mesh=self.dp_mesh)
         super().__init__(model, dims)  # parameters are DTensors from here on
         self.name = (f"zero 3 (FSDP2): parameters, gradients and optimizer state sharded over "
-                     f"{dims.dp_shard} ranks" + (f", replicated x{dims.dp_replicate} (HSDP)" if hsdp else ""))
+                     f"{dims.dp_shard * dims.cp} ranks" + (f", replicated x{dims.dp_replicate} (HSDP)" if hsdp else ""))
 
     def begin_micro_batch(self, is_last: bool) -> None:
         # Accumulate unreduced gradients until the last micro-batch, then reduce-scatter once.

@@ -63,6 +63,24 @@ class Parallelized:
     def grad_sync(self, is_last: bool):
         return self.data_parallel.grad_sync(is_last)
 
+    def split_sequence(self, windows: torch.Tensor):
+        """(inputs, labels, RoPE positions or None) of this rank from windows of seq_len+1 tokens.
+        Context parallelism keeps only this rank's part of each sequence here."""
+        return windows[:, :-1], windows[:, 1:], None
+
+    def forward_backward(self, batch: torch.Tensor, n_micro: int, autocast) -> torch.Tensor:
+        """Forward, loss and backward of every micro-batch of a step on this rank's share of the
+        global batch; returns the sum of the micro-batch losses (each already divided by n_micro)."""
+        total = torch.zeros((), device=batch.device)
+        for micro, chunk in enumerate(batch.chunk(n_micro)):
+            inputs, labels, positions = self.split_sequence(chunk)
+            with self.grad_sync(is_last=micro == n_micro - 1):
+                with autocast():
+                    loss = self.loss(self.model(inputs, positions), labels) / n_micro
+                self.backward(loss)
+            total += self.loss_value(loss)
+        return total
+
     def finish_grads(self) -> None:
         self.data_parallel.finish_grads()
 
@@ -115,7 +133,7 @@ def group_dimensions(mesh) -> dict[str, str]:
     """Process-group name -> the dimension its traffic belongs to, for the ledger."""
     dims = {}
     for view, label in (("dp_replicate", "dp"), ("dp_shard", "dp"), ("dp", "dp"), ("dp_cp", "dp"),
-                        ("cp", "cp"), ("tp", "tp"), ("pp", "pp")):
+                        ("dp_shard_cp", "dp"), ("cp", "cp"), ("tp", "tp"), ("pp", "pp")):
         if mesh[view].size() > 1:
             dims[mesh[view].get_group().group_name] = label
     return dims

@@ -34,11 +34,12 @@ class ShardedOptimizerDataParallel(DataParallel):
     def __init__(self, model, dims, mesh, shard_grads: bool):
         super().__init__(model, dims)
         self.name = (f"zero {2 if shard_grads else 1}: optimizer state{' and gradients' if shard_grads else ''} "
-                     f"sharded over {dims.dp_shard} ranks" + (f", replicated x{dims.dp_replicate}" if dims.dp_replicate > 1 else ""))
+                     f"sharded over {dims.dp_shard * dims.cp} ranks" + (f", replicated x{dims.dp_replicate}" if dims.dp_replicate > 1 else ""))
         self.shard_grads = shard_grads
-        self.shard_group = mesh["dp_shard"].get_group()
+        # cp ranks hold the same weights as their dp peers: they share the shards too.
+        self.shard_group = mesh["dp_shard_cp"].get_group()
         self.replicate_group = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
-        self.n_shards, self.shard_rank = dims.dp_shard, mesh["dp_shard"].get_local_rank()
+        self.n_shards, self.shard_rank = dims.dp_shard * dims.cp, mesh["dp_shard_cp"].get_local_rank()
         self.buckets = make_buckets(self.params, padded_to=self.n_shards)
         self.chunks = [nn.Parameter(b.pack_params().chunk(self.n_shards)[self.shard_rank].clone())
                        for b in self.buckets]
@@ -72,7 +73,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].all_ready:
             index = self._next_bucket
             bucket, chunk = self.buckets[index], self.chunks[index]
-            bucket.pack_grads(scale=1.0 / self.dims.dp)
+            bucket.pack_grads(scale=1.0 / (self.dims.dp * self.dims.cp))
             for param in bucket.params:
                 param.grad = None  # the bucket holds these gradients now
             received = torch.empty_like(chunk)

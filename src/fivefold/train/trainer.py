@@ -71,8 +71,9 @@ def evaluate(par: Parallelized, split: Split, cfg: Config, device: torch.device)
     total = 0.0
     for step in range(cfg.train.eval_batches):
         local = rank_slice(split.windows(sampler.indices(step)), par.dp_rank, cfg.parallel.dp).to(device)
+        inputs, labels, positions = par.split_sequence(local)
         with autocast(cfg, device):
-            total += par.loss_value(par.loss(par.model(local[:, :-1]), local[:, 1:])).item()
+            total += par.loss_value(par.loss(par.model(inputs, positions), labels)).item()
     return par.mean_over_dp(total / cfg.train.eval_batches)
 
 
@@ -98,15 +99,9 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         start = time.perf_counter()
         batch = rank_slice(train_split.windows(sampler.next_indices()), par.dp_rank, cfg.parallel.dp)
         batch = batch.to(rt.device, non_blocking=True)
-        loss_sum = torch.zeros((), device=rt.device)
         lr = optimizer.param_groups[0]["lr"]
         with par.measure_comm():
-            for micro, chunk in enumerate(batch.chunk(n_micro)):
-                with par.grad_sync(is_last=micro == n_micro - 1):
-                    with autocast(cfg, rt.device):
-                        loss = par.loss(par.model(chunk[:, :-1]), chunk[:, 1:]) / n_micro
-                    par.backward(loss)
-                loss_sum += par.loss_value(loss)
+            loss_sum = par.forward_backward(batch, n_micro, lambda: autocast(cfg, rt.device))
             par.finish_grads()
             grad_norm = par.clip_grad_norm(t.grad_clip)
             if step == t.steps - 1:
