@@ -97,6 +97,7 @@ def test_plot_writes_a_png(capsys, tmp_path):
     (("--bogus", "1"), "unknown option --bogus"),
     ((*LLAMA8, "--layout", "dp=8,recompute=some"), "recompute='some' is not one of"),
     ((*LLAMA8, "--model.n_layrs", "3", "--cluster.gpus", "8"), "unknown key model.n_layrs"),
+    ((*LLAMA8, "--layout", "dp=8,pp=2,mbs=1,pp_layers=10,10"), "must give 2 non-negative layer counts"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(capsys, argv, sentence):
     code, out, err = plan(capsys, *argv)

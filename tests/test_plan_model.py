@@ -18,7 +18,7 @@ from fivefold.plan.memory import (layer_activation_elements, model_state_bytes, 
 from fivefold.plan.model_stats import model_stats
 from fivefold.plan.schedule import (balanced_split, bubble_fraction, in_flight_chunks,
                                     pipeline_ranks)
-from fivefold.plan.workload import PRECISIONS, Workload, workload_from_config
+from fivefold.plan.workload import PRECISIONS, workload_from_config
 
 H100 = hardware_for("h100")
 

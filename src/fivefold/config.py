@@ -135,6 +135,11 @@ class ClusterConfig:
     gpus: int = 0
     gpu: str = "h100"
     gpus_per_node: int = 8
+    # Overrides of the GPU profile's figures; 0 = the profile's own.
+    peak_tflops: float = 0.0
+    memory_gb: float = 0.0
+    intra_gbps: float = 0.0  # NVLink-class bandwidth inside a node, GB/s
+    inter_gbps: float = 0.0  # network bandwidth between nodes per GPU, GB/s
 
 
 @dataclass

@@ -16,7 +16,8 @@ DIMS = ("pp", "dp", "cp", "tp")
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
 
 
 def _require(ok: bool, message: str) -> None:
@@ -33,8 +34,9 @@ def _positive(key: str, value) -> None:
 
 
 def _divides(key: str, degree: int, what: str, amount: int) -> None:
-    _require(amount % degree == 0,
-             f"{key}={degree} does not divide {what}={amount}; choose a value among {_divisors(amount)}")
+    if amount % degree:  # the message lists divisors: build it only when it is needed
+        raise ConfigError(f"{key}={degree} does not divide {what}={amount}; choose a value among "
+                          f"{_divisors(amount)}")
 
 
 def _check_model(cfg: Config) -> None:

@@ -1,0 +1,195 @@
+"""How well does the planner predict real training runs?
+
+Reads the Ultra-Scale Playbook's published runs (Hugging Face, 2025: nanotron, 1B/3B/8B Llama-style
+models on 1-64 nodes of 8 H100s) and reports, for the runs that ran:
+  - median relative error of tokens/s per GPU and of peak memory,
+  - the share of runs whose fit / out-of-memory outcome the planner predicts right (all rows),
+  - Spearman rank correlation of tokens/s within each (model, nodes) group.
+
+Usage (from the repository root):
+  PYTHONPATH=src .venv/bin/python benchmarks/planner_accuracy.py [--csv ../shared/data/playbook_runs_dev.csv]
+      [--json OUT.json] [--worst N]
+
+The model shapes and training setup are the Playbook's (see ../shared/data/README.md): sequence
+4096, global batch 256, vocabulary 131,072, full multi-head attention, bf16 compute with fp32
+gradient accumulation buffers, FlashAttention, TP with sequence parallelism, 1F1B pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from fivefold.config import ModelConfig
+from fivefold.plan.estimate import estimate
+from fivefold.plan.hardware import DEFAULT_RUNTIME, hardware_for
+from fivefold.plan.layout import Layout
+from fivefold.plan.model_stats import model_stats
+from fivefold.plan.workload import PRECISIONS, Workload
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CSV = REPO / ".." / "shared" / "data" / "playbook_runs_dev.csv"
+
+# The Playbook's three models (data README table): MHA, vocab 131,072, tied below ffn 10,000.
+SHAPES = {
+    "1B": dict(dim=2048, n_layers=16, n_heads=32, ffn_dim=8192),
+    "3B": dict(dim=3072, n_layers=28, n_heads=32, ffn_dim=8192),
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336),
+}
+SEQ_LEN, GLOBAL_BATCH, VOCAB = 4096, 256, 131072
+# Peak memory is reported in GiB-sized "GB" by torch.cuda (bytes / 2**30).
+MEM_UNIT = 2 ** 30
+
+
+def workload_for(name: str) -> Workload:
+    shape = SHAPES[name]
+    model = ModelConfig(preset=name, n_kv_heads=shape["n_heads"], vocab_size=VOCAB,
+                        tie_embeddings=shape["ffn_dim"] < 10_000, max_seq_len=SEQ_LEN, **shape)
+    return Workload(stats=model_stats(model), seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
+                    precision=PRECISIONS["bf16_fp32_accum"], order=("pp", "dp", "cp", "tp"))
+
+
+def nanotron_pp_layers(name: str, pp: int) -> str | None:
+    """Layers per pipeline rank as nanotron places them, or None when a rank gets nothing.
+
+    nanotron (models/base.py, build_model) walks its pipeline blocks (embedding, decoder layers,
+    final norm, lm_head, fp32 cast, loss) in order with their costs (a layer 4h^2 + 3h*ffn, the
+    lm_head vocab*h, the rest 0) and moves to the next rank once the cumulative cost passes
+    (rank+1)/pp of the total. Early ranks get the extra layers; the last ones may get none."""
+    shape = SHAPES[name]
+    h, n_layers = shape["dim"], shape["n_layers"]
+    layer, head = 4 * h * h + 3 * shape["ffn_dim"] * h, VOCAB * h
+    costs = [0] + [layer] * n_layers + [0, head, 0, 0]
+    total = sum(costs)
+    owner, rank, cumulative = [], 0, 0
+    for cost in costs:
+        cumulative += cost
+        owner.append(rank)
+        if cumulative > total * (rank + 1) / pp:
+            rank += 1
+    if len(set(owner)) < pp:
+        return None  # a pipeline rank without any block: nanotron cannot run it
+    return ",".join(str(sum(1 for i in range(1, n_layers + 1) if owner[i] == r)) for r in range(pp))
+
+
+def layout_for(row: dict) -> Layout | None:
+    pp = int(row["pp"])
+    split = nanotron_pp_layers(row["model"], pp) if pp > 1 else ""
+    if split is None:
+        return None
+    return Layout(dp=int(row["dp"]), zero=int(row["zero"]), tp=int(row["tp"]), pp=pp,
+                  mbs=int(row["mbs"]), recompute="none", pp_schedule="1f1b", pp_layers=split)
+
+
+def predict(rows: list[dict], runtime=DEFAULT_RUNTIME, hw=None) -> list[dict]:
+    hw = hw or hardware_for("h100")
+    workloads = {name: workload_for(name) for name in SHAPES}
+    out = []
+    for row in rows:
+        work, layout = workloads[row["model"]], layout_for(row)
+        if layout is None:  # predicted not to run
+            out.append({**row, "pred_tok_s": 0.0, "pred_mem_gb": 0.0, "pred_fits": False,
+                        "pred_parts": {}})
+            continue
+        est = estimate(work, layout, hw, runtime)
+        out.append({**row, "pred_tok_s": est.tokens_per_sec_per_gpu,
+                    "pred_mem_gb": est.memory.total / MEM_UNIT, "pred_fits": est.fits,
+                    "pred_parts": est.time_parts})
+    return out
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):  # average ranks over ties
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def summarize(pred: list[dict]) -> dict:
+    ran = [r for r in pred if r["status"] == "ok"]
+    tok_err = [abs(r["pred_tok_s"] - float(r["tok_s_gpu"])) / float(r["tok_s_gpu"]) for r in ran]
+    mem_err = [abs(r["pred_mem_gb"] - float(r["mem_gb"])) / float(r["mem_gb"]) for r in ran]
+    fit_right = [r["pred_fits"] == (r["status"] == "ok") for r in pred]
+    groups = defaultdict(list)
+    for r in ran:
+        groups[(r["model"], int(r["nodes"]))].append(r)
+    rho = {f"{m} x{n}": spearman([float(r["tok_s_gpu"]) for r in g], [r["pred_tok_s"] for r in g])
+           for (m, n), g in sorted(groups.items()) if len(g) >= 3}
+    by_scale = {}
+    for label, keep in (("1-16 nodes", lambda n: n <= 16), ("32-64 nodes", lambda n: n >= 32)):
+        errs = [e for e, r in zip(tok_err, ran) if keep(int(r["nodes"]))]
+        by_scale[label] = {"runs": len(errs), "median_tok_s_rel_error": statistics.median(errs)}
+    ok_pred_oom = sum(1 for r in pred if r["status"] == "ok" and not r["pred_fits"])
+    fail_pred_fit = sum(1 for r in pred if r["status"] != "ok" and r["pred_fits"])
+    return {
+        "rows": len(pred), "ran": len(ran),
+        "median_tok_s_rel_error": statistics.median(tok_err),
+        "share_tok_s_within_15pct": sum(e <= 0.15 for e in tok_err) / len(tok_err),
+        "median_mem_rel_error": statistics.median(mem_err),
+        "fit_prediction_right": sum(fit_right) / len(fit_right),
+        "ran_but_predicted_oom": ok_pred_oom, "failed_but_predicted_fit": fail_pred_fit,
+        "tok_s_error_by_scale": by_scale,
+        "spearman_by_group": rho,
+        "spearman_median": statistics.median(v for v in rho.values() if v == v),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--csv", default=str(DEFAULT_CSV), help="published runs (CSV)")
+    ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--worst", type=int, default=0, help="print the N worst tokens/s predictions")
+    args = ap.parse_args(argv)
+    path = Path(args.csv)
+    if not path.is_file():
+        print(f"--csv {path} does not exist; point it at playbook_runs_dev.csv", file=sys.stderr)
+        return 2
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    pred = predict(rows)
+    summary = summarize(pred)
+    print(f"published runs: {summary['rows']} rows, {summary['ran']} ran")
+    print(f"median |error| tokens/s/GPU : {summary['median_tok_s_rel_error']:.1%}"
+          f"   (within 15%: {summary['share_tok_s_within_15pct']:.0%} of runs)")
+    for label, part in summary["tok_s_error_by_scale"].items():
+        print(f"   on {label:11s}: {part['median_tok_s_rel_error']:.1%} over {part['runs']} runs")
+    print(f"median |error| peak memory  : {summary['median_mem_rel_error']:.1%}")
+    print(f"fit / OOM predicted right   : {summary['fit_prediction_right']:.1%}"
+          f"   (ran but predicted OOM: {summary['ran_but_predicted_oom']}, "
+          f"failed but predicted to fit: {summary['failed_but_predicted_fit']})")
+    print(f"Spearman rho within (model, nodes), median {summary['spearman_median']:.2f}:")
+    print("   " + "  ".join(f"{k} {v:.2f}" for k, v in summary["spearman_by_group"].items()))
+    if args.worst:
+        ran = [r for r in pred if r["status"] == "ok"]
+        ran.sort(key=lambda r: -abs(r["pred_tok_s"] / float(r["tok_s_gpu"]) - 1))
+        for r in ran[:args.worst]:
+            print(f"  {r['model']} n{r['nodes']} dp{r['dp']} tp{r['tp']} pp{r['pp']} z{r['zero']} "
+                  f"mbs{r['mbs']}: measured {float(r['tok_s_gpu']):.0f} predicted {r['pred_tok_s']:.0f}"
+                  f" mem {r['mem_gb']}/{r['pred_mem_gb']:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

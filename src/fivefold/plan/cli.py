@@ -1,0 +1,222 @@
+"""`fivefold plan [CONFIG] [--layout ... | --layouts FILE.jsonl] [--json] [--plot FILE] [--top K]
+[--section.key value ...]`: the planner's command line. fivefold.cli calls run_plan(argv).
+
+Every bad input becomes one sentence on stderr and exit code 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig, load_config
+from fivefold.plan.estimate import estimate
+from fivefold.plan.hardware import DEFAULT_RUNTIME, PROFILES, hardware_from_cluster
+from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
+from fivefold.plan.report import plot_memory, table, to_json
+from fivefold.plan.search import (explain_single, layout_problem, leanest_layout, search,
+                                  smallest_fitting_cluster)
+from fivefold.plan.workload import workload_from_config
+from fivefold.validate import validate
+
+USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--cluster.gpus_per_node 8]
+                     [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]
+                     [--layouts FILE.jsonl] [--json] [--plot FILE.png] [--top K] [--section.key value ...]
+
+Without --layout, searches the layouts of --cluster.gpus GPUs and ranks them by predicted
+tokens/s per GPU; with --layout (or --layouts, one JSON object per line) evaluates those.
+GPUs: """ + ", ".join(PROFILES)
+
+VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top")
+GB = 1e9
+
+
+class PlanError(Exception):
+    """A bad input, explained in one sentence."""
+
+
+def _parse_args(argv: list[str]) -> tuple[str | None, dict, list[str]]:
+    config, flags, overrides = None, {"json": False}, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, inline = arg.partition("=")
+        if arg in ("-h", "--help"):
+            flags["help"] = True
+            i += 1
+        elif arg == "--json":
+            flags["json"] = True
+            i += 1
+        elif name in VALUE_FLAGS:
+            if inline:
+                flags[name[2:]] = inline
+                i += 1
+            elif i + 1 < len(argv):
+                flags[name[2:]] = argv[i + 1]
+                i += 2
+            else:
+                raise PlanError(f"{name} needs a value, e.g. {name} {_example(name)}")
+        elif arg.startswith("--"):
+            if "." not in name:
+                raise PlanError(f"unknown option {name}; see `fivefold plan --help`")
+            overrides.append(arg)
+            if not inline:
+                if i + 1 >= len(argv):
+                    raise PlanError(f"{arg} needs a value, e.g. {arg} 8")
+                overrides.append(argv[i + 1])
+                i += 1
+            i += 1
+        elif config is None:
+            config = arg
+            i += 1
+        else:
+            raise PlanError(f"unexpected argument '{arg}'; give at most one CONFIG file")
+    return config, flags, overrides
+
+
+def _example(flag: str) -> str:
+    return {"--layout": '"dp=8,tp=2"', "--layouts": "layouts.jsonl", "--plot": "memory.png",
+            "--top": "5"}[flag]
+
+
+def _planning_config(cfg: Config) -> Config:
+    """The planner needs no data or checkpoints: do not let their paths fail the plan."""
+    return dataclasses.replace(cfg, data=DataConfig(), checkpoint=CheckpointConfig())
+
+
+def _check_nodes(gpus: int, gpus_per_node: int, what: str) -> None:
+    if gpus_per_node < 1:
+        raise PlanError(f"cluster.gpus_per_node must be >= 1, got {gpus_per_node}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise PlanError(f"{what} of {gpus} GPUs is not a whole number of {gpus_per_node}-GPU nodes; "
+                        f"use a multiple of {gpus_per_node} or set --cluster.gpus_per_node")
+
+
+def _top(flags: dict) -> int:
+    try:
+        top = int(flags.get("top", 10))
+    except ValueError:
+        raise PlanError(f"--top must be a whole number, got '{flags['top']}'") from None
+    if top < 1:
+        raise PlanError(f"--top must be at least 1, got {top}")
+    return top
+
+
+def _evaluate_given(cfg, workload, hw, layouts: list[Layout], where: list[str]):
+    gpus = cfg.cluster.gpus
+    out = []
+    for layout, label in zip(layouts, where):
+        layout = layout.resolved(workload.global_batch)
+        world = layout.world_size
+        if gpus and world != gpus:
+            raise PlanError(f"{label}: dp*tp*pp*cp = {layout.dp}*{layout.tp}*{layout.pp}*"
+                            f"{layout.cp} = {world} but --cluster.gpus is {gpus}; make them equal")
+        _check_nodes(world, hw.gpus_per_node, f"{label}: a layout")
+        problem = layout_problem(cfg, workload, layout, world)
+        if problem:
+            raise PlanError(f"{label}: {problem}")
+        est = estimate(workload, layout, hw, DEFAULT_RUNTIME)
+        explain_single(est)
+        out.append(est)
+    return out
+
+
+def _plan(argv: list[str]) -> int:
+    config, flags, overrides = _parse_args(argv)
+    if flags.get("help"):
+        print(USAGE)
+        return 0
+    if "layout" in flags and "layouts" in flags:
+        raise PlanError("give either --layout or --layouts, not both")
+    top = _top(flags)
+    cfg = _planning_config(load_config(config, overrides))
+    validate(cfg)
+    try:
+        hw = hardware_from_cluster(cfg.cluster)
+    except KeyError:
+        raise PlanError(f"cluster.gpu='{cfg.cluster.gpu}' is not one of {', '.join(PROFILES)}") from None
+    workload = workload_from_config(cfg)
+    if flags.get("plot"):
+        try:
+            import matplotlib  # noqa: F401  (checked before any work)
+        except ImportError:
+            raise PlanError("--plot needs matplotlib; install it with `pip install matplotlib`") from None
+
+    rejected = n_fitting = n_rejected = None
+    base = layout_from_config(cfg)
+    name = cfg.model.preset
+    if "layout" in flags:
+        layouts = [parse_layout(flags["layout"], base)]
+        candidates = _evaluate_given(cfg, workload, hw, layouts, ["--layout"])
+        title = f"{name} on {layouts[0].world_size} x {hw.name}: the given layout"
+    elif "layouts" in flags:
+        path = Path(flags["layouts"])
+        if not path.is_file():
+            raise PlanError(f"--layouts file {path} does not exist; give a JSONL file, one layout per line")
+        lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+        if not lines:
+            raise PlanError(f"--layouts file {path} has no layouts; write one JSON object per line")
+        layouts = [parse_layout_line(line, n, base) for n, line in lines]
+        candidates = _evaluate_given(cfg, workload, hw, layouts,
+                                     [f"line {n} of --layouts" for n, _ in lines])
+        title = f"{name} on {hw.name}: {len(candidates)} given layouts, in file order"
+    else:
+        gpus = cfg.cluster.gpus
+        if gpus < 1:
+            raise PlanError("give the cluster size with --cluster.gpus N (or a --layout to evaluate)")
+        _check_nodes(gpus, hw.gpus_per_node, "a cluster")
+        result = search(cfg, workload, hw, DEFAULT_RUNTIME, gpus)
+        ranked = []  # the winners, re-checked with the training code's full rules
+        for est in result.ranked:
+            if len(ranked) == top:
+                break
+            if not layout_problem(cfg, workload, est.layout, gpus):
+                ranked.append(est)
+        if not ranked:
+            raise PlanError(_fits_nowhere(cfg, workload, hw, gpus, result))
+        candidates, rejected = ranked, result.rejected
+        n_fitting, n_rejected = len(result.ranked), result.n_rejected
+        title = (f"{name} on {gpus} x {hw.name} ({hw.memory_bytes / GB:.0f} GB), seq {workload.seq_len}, "
+                 f"global batch {workload.global_batch}: best layouts by predicted tokens/s per GPU")
+
+    if flags["json"]:
+        print(to_json(candidates, rejected))
+    else:
+        print(table(candidates, title, rejected, n_fitting, n_rejected))
+    if flags.get("plot"):
+        plot_memory(candidates, flags["plot"], hw.memory_bytes, title)
+        if not flags["json"]:
+            print(f"memory plot written to {flags['plot']}")
+    return 0
+
+
+def _fits_nowhere(cfg, workload, hw, gpus: int, result) -> str:
+    name = cfg.model.preset
+    lean = leanest_layout(cfg, workload, hw, DEFAULT_RUNTIME, gpus)
+    if lean is None:
+        reason = result.rejected[0].reason if result.rejected else "no degrees divide the cluster"
+        return (f"no valid layout of {name} exists on {gpus} GPUs ({reason}); "
+                f"change --cluster.gpus or train.global_batch")
+    need = f"; even the leanest layout ({lean[0].short()}) needs {lean[1] / GB:.1f} GB per GPU"
+    found = smallest_fitting_cluster(cfg, workload, hw, DEFAULT_RUNTIME, 2 * gpus)
+    if found is None:
+        return f"{name} fits on no cluster of {hw.name} GPUs{need}; use GPUs with more memory"
+    n, layout = found
+    return (f"{name} does not fit on {gpus} {hw.name} GPUs of {hw.memory_bytes / GB:.0f} GB{need}; "
+            f"the smallest GPU count on which it fits is {n}, e.g. --cluster.gpus {n} --layout "
+            f"\"dp={layout.dp},tp={layout.tp},pp={layout.pp},cp={layout.cp},ep={layout.ep},"
+            f"zero={layout.zero},mbs=1,recompute=full\"")
+
+
+def run_plan(argv: list[str]) -> int:
+    """Entry point used by `fivefold plan`: returns the exit code."""
+    try:
+        return _plan(list(argv))
+    except (ConfigError, PlanError) as err:
+        print(f"fivefold plan: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(run_plan(sys.argv[1:]))

@@ -1,0 +1,134 @@
+"""Communication of one rank: bytes per step for each parallel dimension, and the time each
+collective takes given where its group sits (parallel.order, GPUs per node).
+
+Volumes: ring all-reduce moves 2(N-1)/N of the buffer per rank, reduce-scatter and all-gather
+(N-1)/N each; tensor parallelism (with or without sequence parallelism) moves 8 b s h (t-1)/t
+elements per layer per micro-batch (Korthikanti et al. 2022); a pipeline boundary carries b s h
+each way per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fivefold.plan.hardware import Hardware
+from fivefold.plan.layout import Layout
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where a process group sits: how many members, how many of them share a node."""
+    size: int
+    per_node: int
+
+    @property
+    def intra_node(self) -> bool:
+        return self.per_node >= self.size
+
+
+def placement(layout: Layout, order: tuple[str, ...], dims: tuple[str, ...], gpus_per_node: int) -> Link:
+    """The group formed by mesh dimensions `dims` (adjacent in `order`), ranks numbered with the
+    last dimension of `order` innermost."""
+    degree = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
+    inner = order[max(order.index(d) for d in dims) + 1:]
+    stride = math.prod(degree[d] for d in inner)
+    size = math.prod(degree[d] for d in dims)
+    if size * stride <= gpus_per_node:
+        return Link(size, size)
+    if stride >= gpus_per_node:
+        return Link(size, 1)
+    return Link(size, max(1, gpus_per_node // stride))
+
+
+def _bandwidth(link: Link, hw: Hardware) -> tuple[float, float]:
+    """(bus bandwidth per rank, latency) of a collective on this group. Across nodes, a ring
+    moves data through the NICs of all members sharing a node, NVLink inside it."""
+    if link.intra_node:
+        return hw.intra_bw, hw.intra_latency_s
+    return min(hw.intra_bw, link.per_node * hw.nic_bw), hw.inter_latency_s
+
+
+def all_reduce_time(nbytes: float, link: Link, hw: Hardware, efficiency: float = 1.0) -> float:
+    """Large gradient buffers: NCCL pipelines them, so the ring's n-1 step latencies are paid
+    about once per reduce-scatter and once per all-gather half."""
+    if link.size <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = _bandwidth(link, hw)
+    return 2 * (link.size - 1) / link.size * nbytes / (bw * efficiency) + 2 * (link.size - 1) * lat
+
+
+def gather_time(nbytes: float, link: Link, hw: Hardware, efficiency: float = 1.0) -> float:
+    """All-gather or reduce-scatter (ring, n-1 steps) whose full (unsharded) buffer is nbytes."""
+    if link.size <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = _bandwidth(link, hw)
+    return (link.size - 1) / link.size * nbytes / (bw * efficiency) + (link.size - 1) * lat
+
+
+def all_to_all_time(sent_bytes: float, link: Link, hw: Hardware) -> float:
+    """An all-to-all in which each rank sends sent_bytes; across nodes the off-node share goes
+    through the rank's own NIC."""
+    if link.size <= 1 or sent_bytes <= 0:
+        return 0.0
+    if link.intra_node:
+        return sent_bytes / hw.intra_bw + hw.intra_latency_s
+    return sent_bytes / hw.nic_bw + hw.inter_latency_s
+
+
+def collective_bytes_time(sent_bytes: float, link: Link, hw: Hardware) -> float:
+    """Bandwidth time of sent_bytes over the group's links (context-parallel passes)."""
+    if link.size <= 1 or sent_bytes <= 0:
+        return 0.0
+    return sent_bytes / _bandwidth(link, hw)[0]
+
+
+def p2p_time(nbytes: float, link: Link, hw: Hardware) -> float:
+    if link.size <= 1 or nbytes <= 0:
+        return 0.0
+    if link.intra_node:
+        return nbytes / hw.intra_bw + hw.intra_latency_s
+    return nbytes / hw.nic_bw + hw.inter_latency_s
+
+
+# ------------------------------------------------------------------------ per-dimension volumes
+
+def tp_bytes_per_layer(layout: Layout, tokens: float, dim: int, act_bytes: int) -> float:
+    """Bytes one rank sends for one layer of one micro-batch (forward + backward)."""
+    t = layout.tp
+    return 0.0 if t == 1 else 8 * tokens * dim * (t - 1) / t * act_bytes
+
+
+def cp_bytes_per_layer(layout: Layout, tokens_local: float, dim: int, kv_dim: int,
+                       act_bytes: int) -> float:
+    """Bytes one rank sends for one attention of one micro-batch (forward + backward).
+    ring: K,V go round the ring in forward; K,V and dK,dV again in backward (3 passes).
+    allgather: gather K,V in forward, again in backward, reduce-scatter dK,dV.
+    ulysses: all-to-all of q, k, v and the output, forward and backward."""
+    c, t = layout.cp, layout.tp
+    if c == 1:
+        return 0.0
+    kv_local = 2 * tokens_local * kv_dim / t * act_bytes
+    if layout.cp_method == "ring":
+        return 3 * (c - 1) * kv_local
+    if layout.cp_method == "allgather":
+        return 3 * (c - 1) * kv_local
+    qkvo_local = tokens_local * (2 * dim + 2 * kv_dim) / t * act_bytes
+    return 2 * (c - 1) / c * qkvo_local
+
+
+def ep_bytes_per_moe_layer(layout: Layout, tokens_local: float, dim: int, top_k: int,
+                           act_bytes: int) -> float:
+    """Dispatch and combine, forward and backward: four all-to-alls of top_k copies of each
+    local token."""
+    e = layout.ep
+    return 0.0 if e == 1 else 4 * tokens_local * top_k * dim * act_bytes * (e - 1) / e
+
+
+def pp_bytes_per_microbatch(layout: Layout, tokens_local: float, dim: int, act_bytes: int,
+                            chunks: int) -> float:
+    """Activation out and its gradient back, for each chunk boundary this rank owns."""
+    if layout.pp == 1:
+        return 0.0
+    seq_split = layout.tp if (layout.tp > 1 and layout.sp) else 1
+    return 2 * chunks * tokens_local * dim / seq_split * act_bytes

@@ -1,0 +1,201 @@
+"""One layout -> one prediction: worst-rank memory, communication per dimension, step time,
+tokens/s per GPU, MFU and the pipeline bubble.
+
+Time model of a step (per pipeline rank r, per micro-batch):
+  gpu(r)  = matmuls at the achievable fraction of peak + memory-bound elementwise work
+            + exposed tp / cp / ep / pp communication
+  host(r) = layers(r) x host launch time per layer  (eager PyTorch cannot go faster than this)
+  t_mb    = max over ranks of max(gpu(r), host(r))
+  step    = (m + bubble slots) t_mb + exposed data-parallel communication + optimizer step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivefold.plan import comm
+from fivefold.plan.hardware import Hardware, Runtime
+from fivefold.plan.layout import Layout
+from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_activation_elements,
+                                  rank_param_counts, worst_rank_memory)
+from fivefold.plan.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
+                                    pipeline_ranks)
+from fivefold.plan.workload import Workload
+
+BACKWARD_SHARE = 2 / 3  # backward is twice the forward's FLOPs
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: MemoryBreakdown
+    memory_limit: float
+    step_time_s: float
+    tokens_per_sec_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    comm_bytes: dict
+    time_parts: dict = field(default_factory=dict)  # seconds per step by cause, for "why"
+    why: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory_limit
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout.to_dict(), "fits": self.fits,
+                "memory_bytes": self.memory.to_dict(), "step_time_s": self.step_time_s,
+                "tokens_per_sec_per_gpu": self.tokens_per_sec_per_gpu, "mfu": self.mfu,
+                "bubble_fraction": self.bubble_fraction,
+                "comm_bytes": {k: int(round(v)) for k, v in self.comm_bytes.items()},
+                "why": self.why}
+
+
+def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
+                     prank: PipelineRank, links: dict) -> tuple[dict, dict]:
+    """(seconds by cause, bytes by dimension) of one micro-batch's forward + backward on one
+    pipeline rank."""
+    stats, pr, seq = workload.stats, workload.precision, workload.seq_len
+    groups = prank.kinds
+    n_layers = len(prank.layers)
+    n_moe = prank.moe_layers
+    tokens_mb = layout.mbs * seq  # one micro-batch of one data-parallel rank
+    tokens_local = tokens_mb / layout.cp
+    seq_split = layout.tp if (layout.tp > 1 and layout.sp) else 1
+    shards = layout.tp * layout.cp
+    achieved = hw.peak_flops * hw.matmul_efficiency
+
+    flops = sum(count * stats.layer_flops_per_token(layer, seq) for layer, count in groups)
+    flops *= 4 / 3 if layout.recompute == "full" else 1.0  # full recomputation: a second forward
+    if prank.has_output:
+        flops += stats.output_flops_per_token
+    compute = flops * tokens_mb / shards / achieved
+    # Elementwise work (norms, residuals, RoPE, SwiGLU, casts, the loss) is bound by memory
+    # bandwidth: a few passes over the activations each layer saves, and over the logits.
+    traffic = (rank_activation_elements(stats, prank, layout, seq, "none", hw.fused_attention)
+               * tokens_local * pr.act_bytes * runtime.elementwise_passes)
+    if prank.has_output:
+        traffic += 2 * tokens_local * stats.vocab_size / layout.tp * runtime.logits_bytes_per_element
+    compute += traffic / hw.hbm_bw
+    attention = n_layers * stats.attention_flops_per_token(seq) * tokens_mb / shards / achieved
+
+    # Tensor parallelism: 8 collectives per layer (+ the vocab-parallel embedding's), each an
+    # all-gather or reduce-scatter of the micro-batch's hidden states.
+    n_tp = n_layers + (1 if prank.has_embedding else 0)
+    tp_b = n_tp * comm.tp_bytes_per_layer(layout, tokens_local, stats.dim, pr.act_bytes)
+    tp_t = n_tp * 8 * comm.gather_time(tokens_local * stats.dim * pr.act_bytes, links["tp"], hw)
+    tp_t *= runtime.tp_exposed_fraction
+
+    cp_b = n_layers * comm.cp_bytes_per_layer(layout, tokens_local, stats.dim, stats.kv_dim,
+                                              pr.act_bytes)
+    cp_t = comm.collective_bytes_time(cp_b, links["cp"], hw)
+    if layout.cp_method == "ring":
+        cp_t = max(0.0, cp_t - attention)  # ring attention hides the passes behind its blocks
+
+    ep_one = comm.ep_bytes_per_moe_layer(layout, tokens_local / seq_split, stats.dim, stats.top_k,
+                                         pr.act_bytes)
+    ep_b = n_moe * ep_one
+    ep_t = n_moe * 4 * comm.all_to_all_time(ep_one / 4, links["ep"], hw)  # 4 exchanges/layer
+
+    v = chunks_per_rank(layout)
+    pp_b = comm.pp_bytes_per_microbatch(layout, tokens_local, stats.dim, pr.act_bytes, v)
+    pp_t = 2 * v * comm.p2p_time(pp_b / (2 * v), links["pp"], hw) if pp_b else 0.0
+
+    gpu = compute + tp_t + cp_t + ep_t + pp_t
+    host_per_layer = runtime.host_s_per_layer_tp if layout.tp > 1 else runtime.host_s_per_layer
+    if layout.tp > 1 and layout.pp > 1 and not links["pp"].intra_node:
+        host_per_layer += runtime.host_s_per_layer_per_tp_peer_pp_inter * layout.tp
+    host = n_layers * host_per_layer
+    seconds = {"compute": compute, "tp": tp_t, "cp": cp_t, "ep": ep_t, "pp": pp_t,
+               "host": max(0.0, host - gpu)}
+    return seconds, {"tp": tp_b, "cp": cp_b, "ep": ep_b, "pp": pp_b}
+
+
+def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime, dense: float,
+             experts: float, m: int) -> tuple[float, float, float]:
+    """(bytes, overlappable seconds, exposed-anyway seconds) of data-parallel traffic per step.
+
+    ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters them once and all-gathers
+    the updated weights after the step; ZeRO-2 keeps only a gradient shard, so it reduce-scatters
+    every micro-batch; ZeRO-3 also gathers the weights twice per micro-batch. HSDP adds an
+    all-reduce of the shard across replicas."""
+    pr, order, gpn = workload.precision, workload.order, hw.gpus_per_node
+    eff = runtime.dp_bw_efficiency
+    dims = ("dp", "cp") if abs(order.index("dp") - order.index("cp")) == 1 else ("dp",)
+    group = comm.placement(layout, order, dims, gpn)
+    replicas = layout.dp // (layout.dp_shard or layout.dp)
+    replica_link = comm.Link(replicas, replicas if group.intra_node else 1)
+    total_bytes = hidden = exposed = 0.0
+    for params, n in ((dense, layout.shard_degree), (experts, expert_shard_degree(layout))):
+        if params <= 0:
+            continue
+        link = comm.Link(n, min(group.per_node, n))
+        grads, weights = params * pr.reduce_bytes, params * pr.param_bytes
+        if layout.zero == 0:
+            total_bytes += 2 * (n - 1) / n * grads
+            hidden += comm.all_reduce_time(grads, link, hw, eff)
+        elif layout.zero in (1, 2):
+            reductions = 1 if layout.zero == 1 else m
+            total_bytes += (n - 1) / n * (reductions * grads + weights)
+            hidden += reductions * comm.gather_time(grads, link, hw, eff)
+            exposed += comm.gather_time(weights, link, hw, eff)
+        else:
+            total_bytes += m * (n - 1) / n * (grads + 2 * weights)
+            hidden += m * (comm.gather_time(grads, link, hw, eff)
+                           + 2 * comm.gather_time(weights, link, hw, eff))
+        if replicas > 1 and layout.zero > 0:
+            total_bytes += 2 * (replicas - 1) / replicas * grads / n
+            hidden += comm.all_reduce_time(grads / n, replica_link, hw, eff)
+    return total_bytes, hidden, exposed
+
+
+def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
+             memory: MemoryBreakdown | None = None) -> Estimate:
+    """Predict one layout (memory may be passed in when the caller already computed it)."""
+    stats, pr = workload.stats, workload.precision
+    order, gpn = workload.order, hw.gpus_per_node
+    m = layout.micro_batches(workload.global_batch)
+    links = {d: comm.placement(layout, order, (d,), gpn) for d in ("tp", "cp", "pp")}
+    links["ep"] = comm.Link(layout.ep, min(layout.ep, max(1, gpn // layout.tp)))
+
+    ranks = pipeline_ranks(stats, layout, workload.seq_len)
+    t_mb, worst, per_mb_bytes = 0.0, None, {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
+    for prank in ranks:
+        seconds, nbytes = _rank_microbatch(workload, layout, hw, runtime, prank, links)
+        rank_time = sum(seconds.values())
+        if worst is None or rank_time > t_mb:
+            t_mb, worst = rank_time, seconds
+        for key, val in nbytes.items():
+            per_mb_bytes[key] = max(per_mb_bytes[key], val)
+
+    slots = bubble_slots(layout, m)
+    pipe_time = (m + slots) * t_mb
+
+    # Data parallelism and the optimizer step, on the rank with the most parameters.
+    dense, experts = max((rank_param_counts(stats, layout, p) for p in ranks), key=sum)
+    dp_bytes, dp_hidden, dp_exposed = _dp_time(workload, layout, hw, runtime, dense, experts, m)
+    if layout.zero >= 3:  # FSDP prefetches under every micro-batch's compute
+        window = m * worst["compute"]
+    elif layout.zero == 2:  # a reduce-scatter under every micro-batch's backward
+        window = m * BACKWARD_SHARE * worst["compute"]
+    else:  # bucketed gradient reduction under the last micro-batch's backward
+        window = BACKWARD_SHARE * worst["compute"]
+    dp_visible = max(0.0, dp_hidden - window * runtime.dp_overlap_fraction) + dp_exposed
+    local = (dense / layout.shard_degree + experts / expert_shard_degree(layout)
+             if layout.zero >= 1 else dense + experts)
+    # Adam reads and writes master weights and both moments, reads the gradient, writes weights.
+    optim_bytes = 2 * pr.optim_bytes + pr.grad_bytes + pr.accum_bytes + pr.param_bytes
+    optim_time = local * optim_bytes / hw.hbm_bw + runtime.step_overhead_s
+
+    step = pipe_time + dp_visible + optim_time
+    tok_s_gpu = workload.tokens_per_step / step / layout.world_size
+    mfu = tok_s_gpu * stats.flops_per_token(workload.seq_len) / hw.peak_flops
+    parts = {k: m * v for k, v in worst.items()}
+    parts.update({"bubble": slots * t_mb, "dp": dp_visible, "optimizer": optim_time})
+    comm_bytes = {"dp": dp_bytes, "tp": m * per_mb_bytes["tp"], "pp": m * per_mb_bytes["pp"],
+                  "cp": m * per_mb_bytes["cp"], "ep": m * per_mb_bytes["ep"]}
+    memory = memory or worst_rank_memory(workload, layout, hw, runtime)
+    return Estimate(layout=layout, memory=memory, memory_limit=hw.memory_bytes, step_time_s=step,
+                    tokens_per_sec_per_gpu=tok_s_gpu, mfu=mfu,
+                    bubble_fraction=bubble_fraction(layout, m), comm_bytes=comm_bytes,
+                    time_parts=parts)

@@ -1,0 +1,195 @@
+"""Bytes one rank holds at its peak: model state under each ZeRO stage / HSDP, activations under
+tp/sp/cp/recomputation and the pipeline schedule, logits, temporary buffers, runtime overhead.
+
+Activation counts follow Korthikanti et al. 2022 (arXiv 2205.05198), re-derived for fivefold's
+Llama block (RMSNorm, GQA, SwiGLU, no dropout).
+Per token of one micro-batch, a layer saves:
+  both RMSNorm inputs and both norm outputs                 4h  (split across tp only under
+      sequence parallelism, where the column-parallel matmuls re-gather their input in backward)
+  q h, k and v 2 kv_dim, attention output h, logsumexp      split across tp
+  implementation copies: the attention output again (the contiguous copy the output projection
+      reads) and q, k before RoPE (kept alive by the fused QKV output they are views of)  3h
+  MLP: gate and up 2f, silu(gate) f, silu(gate)*up f        split across tp
+(an unfused attention also keeps the a x s softmax). 'selective' recomputes the norms and the
+activation function (drops the norm outputs and silu(gate)); 'full' keeps only each layer's input
+and recomputes one layer at a time during backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivefold.plan.hardware import Hardware, Runtime
+from fivefold.plan.layout import Layout
+from fivefold.plan.model_stats import ModelStats
+from fivefold.plan.schedule import PipelineRank, in_flight_chunks, pipeline_ranks
+from fivefold.plan.workload import Workload
+
+
+@dataclass
+class MemoryBreakdown:
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    other: float = 0.0
+    pipeline_rank: int = 0
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    def to_dict(self) -> dict:
+        keys = ("params", "grads", "optimizer", "activations", "other")
+        out = {k: int(round(getattr(self, k))) for k in keys}
+        out["total"] = sum(out.values())
+        return out
+
+
+# ----------------------------------------------------------------------------------- parameters
+
+def expert_tp(layout: Layout) -> int:
+    """Experts are split across tp too, unless ep is so large that it borrows the tp ranks."""
+    return layout.tp if (layout.dp * layout.cp) % layout.ep == 0 else 1
+
+
+def layer_param_counts(stats: ModelStats, layout: Layout, layer: int) -> tuple[float, float]:
+    """(dense, expert) parameters of one layer held by one rank."""
+    t = layout.tp
+    dense = stats.attention_params / t + stats.norm_params
+    if not stats.is_moe(layer):
+        return dense + stats.dense_mlp_params / t, 0.0
+    dense += stats.router_params + stats.shared_expert_params / t
+    return dense, stats.n_experts / layout.ep * stats.expert_params / expert_tp(layout)
+
+
+def rank_param_counts(stats: ModelStats, layout: Layout, prank: PipelineRank) -> tuple[float, float]:
+    """(dense, expert) parameters held by one rank of this pipeline rank, before ZeRO sharding."""
+    dense = experts = 0.0
+    for layer, count in prank.kinds:
+        d, e = layer_param_counts(stats, layout, layer)
+        dense += count * d
+        experts += count * e
+    table = stats.vocab_size * stats.dim / layout.tp  # vocab-parallel embedding / output projection
+    if prank.has_embedding:
+        dense += table
+    if prank.has_output:
+        dense += stats.dim  # final norm
+        # A tied output projection shares the embedding's storage only on the rank holding both.
+        if not (stats.tie_embeddings and prank.has_embedding):
+            dense += table
+    return dense, experts
+
+
+def expert_shard_degree(layout: Layout) -> int:
+    """Ranks an expert's ZeRO-sharded state is split over: the data-parallel ranks that hold
+    the same experts (dp_shard x cp, plus tp when ep borrowed it, over ep)."""
+    borrow = layout.tp if expert_tp(layout) == 1 else 1
+    return max(1, layout.shard_degree * borrow // layout.ep)
+
+
+def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts: float) -> dict:
+    """params / grads / optimizer bytes under the ZeRO stage (Rajbhandari et al. 2019)."""
+    pr = workload.precision
+    sharded = dense / layout.shard_degree + experts / expert_shard_degree(layout)
+    whole = dense + experts
+    z = layout.zero
+    master = pr.shard_master_bytes if z in (1, 2) else 0
+    return {
+        "params": pr.param_bytes * (sharded if z >= 3 else whole),
+        "grads": (pr.grad_bytes + pr.accum_bytes) * (sharded if z >= 2 else whole),
+        "optimizer": (pr.optim_bytes + master) * (sharded if z >= 1 else whole),
+    }
+
+
+# ---------------------------------------------------------------------------------- activations
+
+def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq_len: int,
+                              recompute: str, fused_attention: bool) -> float:
+    """Activation elements one layer saves per token of one micro-batch on one rank."""
+    h, kv, t, cp = stats.dim, stats.kv_dim, layout.tp, layout.cp
+    seq_split = t if (t > 1 and layout.sp) else 1
+    if recompute == "full":
+        return h / seq_split  # the layer input only
+    norms_in, norms_out = 2 * h / seq_split, 2 * h / seq_split  # norms_out: the matmul inputs
+    # q, k, v, output, fp32 logsumexp (2 bf16 units per head), and the 3h of copies (docstring)
+    attention = (2 * h + 2 * kv + 3 * h) / t + 2 * stats.n_heads / t
+    if not fused_attention:
+        attention += stats.n_heads * seq_len / cp / t  # the softmax over all keys
+    if stats.is_moe(layer):
+        f = stats.expert_params / (3 * h)  # expert ffn width
+        k, n_shared = stats.top_k, stats.shared_expert_params / stats.expert_params
+        # each token's top_k copies: dispatched input h and combined output h, plus the SwiGLU
+        # of every routed and shared expert it visits; router scores (fp32) per token
+        mlp = (k * (2 * h + 4 * f) + n_shared * 4 * f) / t + 2 * stats.n_experts / seq_split
+        silu = (k + n_shared) * f / t
+    else:
+        mlp = 4 * stats.ffn_dim / t
+        silu = stats.ffn_dim / t
+    total = norms_in + norms_out + attention + mlp
+    if recompute == "selective":
+        total -= norms_out + silu
+    return total
+
+
+def rank_activation_elements(stats: ModelStats, prank: PipelineRank, layout: Layout, seq_len: int,
+                             recompute: str, fused_attention: bool) -> float:
+    """Sum over the rank's layers of layer_activation_elements."""
+    return sum(count * layer_activation_elements(stats, layer, layout, seq_len, recompute,
+                                                 fused_attention)
+               for layer, count in prank.kinds)
+
+
+def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, rank: int,
+                     micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
+    """(saved activations at the peak, transient working memory) of one pipeline rank."""
+    stats, seq = workload.stats, workload.seq_len
+    tokens = layout.mbs * seq / layout.cp  # tokens of one micro-batch on this rank
+    act = workload.precision.act_bytes
+    per_mb = rank_activation_elements(stats, prank, layout, seq, layout.recompute,
+                                      hw.fused_attention) * tokens * act
+    saved = in_flight_chunks(layout, rank, micro_batches) * per_mb
+    # The backward of one layer materialises gradients about as large as what that layer saved;
+    # under full recomputation it first rebuilds that layer's activations as well.
+    biggest = max((layer_activation_elements(stats, layer, layout, seq, "none", hw.fused_attention)
+                   for layer, _ in prank.kinds), default=0.0)
+    working = biggest * tokens * act * (2 if layout.recompute == "full" else 1)
+    if prank.has_output:
+        seq_split = layout.tp if (layout.tp > 1 and layout.sp) else 1
+        final_norm = 2 * stats.dim / seq_split * tokens * act
+        logits = tokens * stats.vocab_size / layout.tp * runtime.logits_bytes_per_element
+        saved += final_norm * in_flight_chunks(layout, rank, micro_batches) + logits
+    return saved, working
+
+
+# ----------------------------------------------------------------------------------------- total
+
+def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
+                prank: PipelineRank, rank: int) -> MemoryBreakdown:
+    stats, pr = workload.stats, workload.precision
+    m = layout.micro_batches(workload.global_batch)
+    dense, experts = rank_param_counts(stats, layout, prank)
+    state = model_state_bytes(workload, layout, dense, experts)
+    saved, working = activation_bytes(workload, layout, prank, rank, m, hw, runtime)
+    other = runtime.fixed_bytes + working
+    if layout.zero < 3:  # autocast's compute-dtype weight copies, alive until backward
+        other += pr.cast_bytes * (dense + experts)
+    if layout.zero >= 3 and prank.layers:
+        # FSDP all-gathers one layer while the previous one computes (prefetch): two unsharded
+        # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.
+        layer = max(sum(layer_param_counts(stats, layout, i)) for i, _ in prank.kinds)
+        other += layer * (2 * pr.param_bytes + pr.reduce_bytes)
+    return MemoryBreakdown(params=state["params"], grads=state["grads"],
+                           optimizer=state["optimizer"], activations=saved, other=other,
+                           pipeline_rank=rank,
+                           detail={"params_per_rank": dense + experts, "layers": len(prank.layers)})
+
+
+def worst_rank_memory(workload: Workload, layout: Layout, hw: Hardware,
+                      runtime: Runtime) -> MemoryBreakdown:
+    """Peak memory of the pipeline rank that needs the most (first rank: most activations in
+    flight and the embedding; last rank: output projection and logits)."""
+    ranks = pipeline_ranks(workload.stats, layout, workload.seq_len)
+    return max((rank_memory(workload, layout, hw, runtime, pr, r) for r, pr in enumerate(ranks)),
+               key=lambda mb: mb.total)

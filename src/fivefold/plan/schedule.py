@@ -1,0 +1,161 @@
+"""Pipeline facts: which layers each pipeline rank holds, how many micro-batches of activations a
+schedule keeps in flight, and how long its bubble is.
+
+Sources: GPipe/1F1B bubble (p-1)/m and interleaved (p-1)/(v m) (Narayanan et al. 2021); in-flight
+activations under 1F1B and interleaving (Korthikanti et al. 2022); ZB-H1 / ZB-V (Qi et al. 2023,
+arXiv 2401.10241); DualPipe(V) (DeepSeek-V3 report, 2024).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from fivefold.plan.layout import Layout
+from fivefold.plan.model_stats import ModelStats
+
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, placed first-down then back up
+
+
+def chunks_per_rank(layout: Layout) -> int:
+    if layout.pp == 1:
+        return 1
+    if layout.pp_schedule in V_SHAPED:
+        return 2
+    return layout.pp_virtual if layout.pp_schedule == "interleaved_1f1b" else 1
+
+
+@dataclass(frozen=True)
+class PipelineRank:
+    layers: tuple[int, ...]  # transformer layers this rank holds (all its chunks)
+    has_embedding: bool
+    has_output: bool  # final norm + output projection + loss
+    # (a representative layer, how many) for each kind of layer (dense, MoE) the rank holds:
+    # layers of a kind are identical, so per-layer quantities are computed once per kind.
+    kinds: tuple[tuple[int, int], ...] = ()
+    moe_layers: int = 0
+
+
+def _rank(stats: ModelStats, layers: tuple[int, ...], first: bool, last: bool) -> PipelineRank:
+    moe = [i for i in layers if stats.is_moe(i)]
+    dense = [i for i in layers if not stats.is_moe(i)]
+    kinds = tuple((group[0], len(group)) for group in (dense, moe) if group)
+    return PipelineRank(layers, first, last, kinds, len(moe))
+
+
+@lru_cache(maxsize=4096)
+def balanced_split(costs: tuple[float, ...], head: float, n_chunks: int) -> tuple[int, ...]:
+    """Split layers (with per-layer costs) into n_chunks contiguous chunks of at least one layer;
+    the last chunk also carries `head` (the output projection, the most expensive single block of
+    a large-vocabulary model). Each chunk takes layers until it reaches an even share of what is
+    left, rounding to the nearest layer. Returns chunk sizes."""
+    n = len(costs)
+    remaining = sum(costs) + head
+    sizes, i = [], 0
+    for chunk in range(n_chunks - 1):
+        target = remaining / (n_chunks - chunk)
+        last_allowed = n - (n_chunks - chunk - 1)  # leave a layer for every later chunk
+        acc, count = 0.0, 0
+        while i < last_allowed and (count == 0 or acc + costs[i] / 2 <= target):
+            acc += costs[i]
+            count += 1
+            i += 1
+        sizes.append(count)
+        remaining -= acc
+    sizes.append(n - i)
+    return tuple(sizes)
+
+
+def parse_pp_layers(text: str, n_chunks: int, n_layers: int) -> tuple[int, ...]:
+    """'7,9,9,7' -> (7, 9, 9, 7), checked against the chunk count and the model's layers."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"pp_layers='{text}' must be comma-separated layer counts, e.g. 7,9,9,7") from None
+    if len(sizes) != n_chunks or sum(sizes) != n_layers or min(sizes) < 0:
+        raise ValueError(f"pp_layers='{text}' must give {n_chunks} non-negative layer counts "
+                         f"adding up to model.n_layers={n_layers}")
+    return sizes
+
+
+def pipeline_ranks(stats: ModelStats, layout: Layout, seq_len: int) -> list[PipelineRank]:
+    """Layers of each pipeline rank: layout.pp_layers when given, else balanced by FLOPs (what
+    fivefold does when parallel.pp_layers is empty)."""
+    v_shaped = layout.pp_schedule in V_SHAPED
+    return list(_pipeline_ranks(stats, layout.pp, chunks_per_rank(layout), v_shaped,
+                                layout.pp_layers, seq_len))
+
+
+@lru_cache(maxsize=1024)
+def _pipeline_ranks(stats: ModelStats, p: int, v: int, v_shaped: bool, pp_layers: str,
+                    seq_len: int) -> tuple[PipelineRank, ...]:
+    if p == 1:
+        return (_rank(stats, tuple(range(stats.n_layers)), True, True),)
+    n_chunks = p * v
+    if pp_layers:
+        sizes = parse_pp_layers(pp_layers, n_chunks, stats.n_layers)
+    else:
+        costs = tuple(stats.layer_flops_per_token(i, seq_len) for i in range(stats.n_layers))
+        sizes = balanced_split(costs, stats.output_flops_per_token, n_chunks)
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append(tuple(range(start, start + size)))
+        start += size
+    if v_shaped:
+        owner = [c if c < p else 2 * p - 1 - c for c in range(n_chunks)]
+    else:
+        owner = [c % p for c in range(n_chunks)]
+    ranks = []
+    for r in range(p):
+        mine = [c for c in range(n_chunks) if owner[c] == r]
+        layers = tuple(i for c in mine for i in bounds[c])
+        ranks.append(_rank(stats, layers, 0 in mine, n_chunks - 1 in mine))
+    return tuple(ranks)
+
+
+def in_flight_chunks(layout: Layout, rank: int, micro_batches: int) -> float:
+    """Micro-batches whose activations rank `rank` holds at its peak, in units of one micro-batch
+    through all of that rank's layers."""
+    p, m, v = layout.pp, micro_batches, chunks_per_rank(layout)
+    if p == 1:
+        return 1.0
+    sched = layout.pp_schedule
+    if sched == "gpipe":
+        return float(m)  # all forwards run before any backward
+    if sched in ("1f1b", "zb"):
+        return float(min(p - rank, m))  # ZB-H1 keeps 1F1B's peak memory
+    if sched == "interleaved_1f1b":
+        warmup_chunks = min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
+        return warmup_chunks / v  # rank 0: p (1 + (p-1)/(p v))
+    if sched == "zbv":
+        return float(min(p, m))  # same peak as 1F1B's first rank, on every rank
+    if sched == "dualpipev":
+        return float(min(p + 1, m))  # DualPipe table: PP + 1
+    raise ValueError(sched)
+
+
+def bubble_slots(layout: Layout, micro_batches: int) -> float:
+    """Idle time of a step in units of one micro-batch's forward+backward on the slowest rank."""
+    p, m, v = layout.pp, micro_batches, chunks_per_rank(layout)
+    if p == 1:
+        return 0.0
+    sched = layout.pp_schedule
+    if sched in ("gpipe", "1f1b"):
+        return float(p - 1)
+    if sched == "interleaved_1f1b":
+        return (p - 1) / v
+    if sched == "zb":
+        return (p - 1) / 3  # ZB-H1: (p-1)(F+B-2W) with F = B = W
+    if sched == "zbv":
+        return 0.0 if m >= 2 * p else (p - 1) / 3  # ZB-V needs m >= 2p to fill its bubble
+    if sched == "dualpipev":
+        # DualPipe: (p/2-1)(F&B + B - 3W), B the full backward: with F = W = B/2 = T and F&B
+        # taking F + B (no overlap credit) that is T (p-2), i.e. (p-2)/3 micro-batch slots.
+        return max(0.0, (p - 2) / 3)
+    raise ValueError(sched)
+
+
+def bubble_fraction(layout: Layout, micro_batches: int) -> float:
+    """Share of the pipeline's step time that is bubble."""
+    slots = bubble_slots(layout, micro_batches)
+    return slots / (micro_batches + slots) if slots else 0.0

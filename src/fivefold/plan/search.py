@@ -1,0 +1,267 @@
+"""Find the best layout for a model on a cluster: enumerate valid layouts, drop those that do not
+fit (keeping the reason), rank the rest by predicted tokens/s per GPU, and explain the ranking.
+
+Pruning keeps a search over thousands of GPUs under a second: for each choice of degrees,
+schedule and micro-batch size, recomputation only trades time for memory, so each ZeRO stage is
+timed with the cheapest recomputation that fits. The search checks the divisibility rules by
+construction and validates only its winners with the training code's full rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from fivefold.config import Config, ConfigError
+from fivefold.plan.estimate import Estimate, estimate
+from fivefold.plan.hardware import Hardware, Runtime
+from fivefold.plan.layout import Layout, config_with_layout
+from fivefold.plan.memory import worst_rank_memory
+from fivefold.plan.schedule import chunks_per_rank, parse_pp_layers
+from fivefold.plan.workload import Workload
+from fivefold.validate import validate
+
+GB = 1e9
+RECOMPUTE_ORDER = ("none", "selective", "full")  # fastest first
+SEARCH_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb", "zbv")
+
+
+@dataclass
+class Rejected:
+    layout: Layout
+    reason: str
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]
+    rejected: list[Rejected] = field(default_factory=list)  # the first few, with reasons
+    evaluated: int = 0
+    n_rejected: int = 0
+
+
+# ------------------------------------------------------------------------------------ checking
+
+def layout_problem(cfg: Config, workload: Workload, layout: Layout, world: int | None,
+                   full_check: bool = True) -> str | None:
+    """Why this layout cannot run at all (one sentence), or None.
+
+    full_check runs the training code's own rules (fivefold.validate) on the config with this
+    layout; the search enumerates only layouts that already satisfy the divisibility rules, so
+    it checks just what depends on the batch and the pipeline, and validates its winners."""
+    if full_check:
+        try:
+            validate(config_with_layout(cfg, layout), world)
+        except ConfigError as err:
+            return str(err)
+    p, v = layout.pp, chunks_per_rank(layout)
+    m = layout.micro_batches(workload.global_batch)
+    if layout.pp_layers:
+        try:
+            parse_pp_layers(layout.pp_layers, p * v, workload.stats.n_layers)
+        except ValueError as err:
+            return f"parallel.{err}"
+    if layout.mbs * layout.dp > workload.global_batch:
+        return (f"mbs={layout.mbs} x dp={layout.dp} exceeds train.global_batch="
+                f"{workload.global_batch}; lower mbs or dp")
+    if layout.tp > 1 and layout.sp and workload.seq_len % (layout.tp * layout.cp):
+        return (f"train.seq_len={workload.seq_len} is not divisible by tp*cp="
+                f"{layout.tp * layout.cp}, which sequence parallelism needs")
+    if p > 1 and not layout.pp_layers and p * v > workload.stats.n_layers:
+        return (f"pp={p} with {v} chunk(s) per rank needs {p * v} pipeline chunks but the model has "
+                f"{workload.stats.n_layers} layers; lower parallel.pp")
+    if p > 1 and layout.pp_schedule != "gpipe" and m < p:
+        return (f"pp_schedule={layout.pp_schedule} needs at least pp={p} micro-batches per step, "
+                f"got {m}; lower mbs or dp, or raise train.global_batch")
+    if layout.pp_schedule == "interleaved_1f1b" and p > 1 and m % p:
+        return (f"pp_schedule=interleaved_1f1b needs the micro-batches per step ({m}) to be a "
+                f"multiple of pp={p}")
+    return None
+
+
+def memory_reason(est_or_memory, limit: float) -> str:
+    mem = getattr(est_or_memory, "memory", est_or_memory)
+    parts = {k: getattr(mem, k) for k in ("params", "grads", "optimizer", "activations", "other")}
+    big = max(parts, key=parts.get)
+    return (f"needs {mem.total / GB:.1f} GB per GPU but has {limit / GB:.0f} GB "
+            f"(pipeline rank {mem.pipeline_rank}; largest part {big} {parts[big] / GB:.1f} GB)")
+
+
+# --------------------------------------------------------------------------------- enumeration
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
+    out, d = [], 1
+    while d <= limit and n % d == 0:
+        out.append(d)
+        d *= 2
+    return out
+
+
+def degree_choices(cfg: Config, workload: Workload, gpus: int, gpus_per_node: int):
+    """(dp, tp, pp, cp, ep) tuples whose product fits the cluster. tp stays inside a node (the
+    Playbook's runs show tensor parallelism across nodes never pays)."""
+    m, stats = cfg.model, workload.stats
+    head_gcd = math.gcd(math.gcd(m.n_heads, m.n_kv_heads), math.gcd(m.ffn_dim, m.vocab_size))
+    for tp in _divisors(min(gpus_per_node, gpus)):
+        if head_gcd % tp or gpus % tp:
+            continue
+        cps = [c for c in _powers_of_two_dividing(gpus // tp, 16)
+               if c == 1 or workload.seq_len // c >= 4096]
+        for cp in cps:
+            for pp in _divisors(gpus // (tp * cp)):
+                if pp > stats.n_layers:
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if workload.global_batch % dp:
+                    continue
+                eps = [1]
+                if stats.n_experts:
+                    eps = [e for e in _divisors(stats.n_experts) if (dp * cp) % e == 0]
+                for ep in eps:
+                    yield dp, tp, pp, cp, ep
+
+
+def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node: int):
+    """Groups of layouts that differ only in ZeRO stage and recomputation."""
+    for dp, tp, pp, cp, ep in degree_choices(cfg, workload, gpus, gpus_per_node):
+        per_rank = workload.global_batch // dp
+        schedules = [("1f1b", 1)] if pp == 1 else [
+            (s, 2 if s == "interleaved_1f1b" else 1) for s in SEARCH_SCHEDULES]
+        for mbs in _powers_of_two_dividing(per_rank, 8):
+            for sched, virtual in schedules:
+                base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, pp_schedule=sched,
+                              pp_virtual=virtual, sp=tp > 1, cp_method=cfg.parallel.cp_method)
+                zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
+                yield [[dataclasses.replace(base, zero=z, recompute=r) for z in zeros]
+                       for r in RECOMPUTE_ORDER]
+
+
+# -------------------------------------------------------------------------------------- search
+
+def search(cfg: Config, workload: Workload, hw: Hardware, runtime: Runtime, gpus: int,
+           keep_rejected: int = 200) -> SearchResult:
+    result = SearchResult(ranked=[])
+    for grid in candidate_layouts(cfg, workload, gpus, hw.gpus_per_node):
+        problem = layout_problem(cfg, workload, grid[0][0], gpus, full_check=False)
+        if problem:
+            _reject(result, grid[0][0], problem, keep_rejected)
+            continue
+        # More recomputation only costs time: (zero, recompute) is worth timing only when the same
+        # zero stage did not already fit with cheaper recomputation.
+        settled: set[int] = set()
+        for by_zero in grid:
+            for layout in by_zero:
+                if layout.zero in settled:
+                    continue
+                mem = worst_rank_memory(workload, layout, hw, runtime)
+                result.evaluated += 1
+                if mem.total > hw.memory_bytes:
+                    _reject(result, layout, memory_reason(mem, hw.memory_bytes), keep_rejected)
+                    continue
+                result.ranked.append(estimate(workload, layout, hw, runtime, mem))
+                settled.add(layout.zero)
+            if len(settled) == len(by_zero):
+                break
+    rank(result.ranked)
+    explain(result.ranked)
+    return result
+
+
+def rank(estimates: list[Estimate]) -> None:
+    """Fastest first; layouts within 0.5% of each other count as equally fast and the one needing
+    less memory (more headroom for fragmentation and longer sequences) goes first."""
+    estimates.sort(key=lambda e: (-round(math.log(e.tokens_per_sec_per_gpu) / math.log(1.005)),
+                                  e.memory.total))
+
+
+def _reject(result: SearchResult, layout: Layout, reason: str, keep: int) -> None:
+    result.n_rejected += 1
+    if len(result.rejected) < keep:
+        result.rejected.append(Rejected(layout, reason))
+
+
+# ------------------------------------------------------------------------------------- explain
+
+_PART_NAMES = {"compute": "compute", "tp": "tensor-parallel communication",
+               "cp": "context-parallel communication", "ep": "expert all-to-all",
+               "pp": "pipeline sends", "host": "host launch overhead", "bubble": "pipeline bubble",
+               "dp": "data-parallel communication", "optimizer": "optimizer step"}
+
+
+def compare(a: Estimate, b: Estimate) -> str:
+    """Why a is faster (or slower) than b, naming the two step-time parts that differ most."""
+    diffs = {k: a.time_parts.get(k, 0.0) - b.time_parts.get(k, 0.0)
+             for k in set(a.time_parts) | set(b.time_parts)}
+    biggest = sorted(diffs, key=lambda k: -abs(diffs[k]))[:2]
+    faster = a.tokens_per_sec_per_gpu / b.tokens_per_sec_per_gpu - 1
+    if abs(faster) < 0.005:
+        saved = (b.memory.total - a.memory.total) / GB
+        more_less = "less" if saved >= 0 else "more"
+        return (f"as fast as {b.layout.short()} (within 0.5%) and needs {abs(saved):.1f} GB "
+                f"{more_less} memory per GPU")
+    words = []
+    for k in biggest:
+        if abs(diffs[k]) < 1e-3 * max(a.step_time_s, 1e-9):
+            continue
+        more = "more" if diffs[k] > 0 else "less"
+        words.append(f"{abs(diffs[k]):.3g} s {more} {_PART_NAMES.get(k, k)}")
+    what = "faster" if faster >= 0 else "slower"
+    reason = ", ".join(words) if words else "the same step-time parts"
+    return f"{abs(faster):.1%} {what} than {b.layout.short()}: {reason} per step"
+
+
+def explain(ranked: list[Estimate]) -> None:
+    if not ranked:
+        return
+    if len(ranked) == 1:
+        ranked[0].why = "the only layout that fits"
+        return
+    ranked[0].why = "best: " + compare(ranked[0], ranked[1])
+    for est in ranked[1:]:
+        est.why = compare(est, ranked[0])
+
+
+def explain_single(est: Estimate) -> None:
+    """why for an explicitly given layout: where its step time goes, or why it does not fit."""
+    if not est.fits:
+        est.why = "does not fit: " + memory_reason(est, est.memory_limit)
+        return
+    total = est.step_time_s
+    parts = sorted(est.time_parts.items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{_PART_NAMES.get(k, k)} {v / total:.0%}" for k, v in parts[:3] if v > 0)
+    est.why = f"fits with {(est.memory_limit - est.memory.total) / GB:.1f} GB to spare; step time: {shown}"
+
+
+# ---------------------------------------------------------------------------- fits nowhere
+
+def leanest_layout(cfg: Config, workload: Workload, hw: Hardware, runtime: Runtime,
+                   gpus: int) -> tuple[Layout, float] | None:
+    """The layout of `gpus` GPUs needing the least memory (zero=3, full recomputation, one
+    sequence per micro-batch), with its worst-rank bytes; None if no layout is valid."""
+    best = None
+    for dp, tp, pp, cp, ep in degree_choices(cfg, workload, gpus, hw.gpus_per_node):
+        layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=1, zero=3 if dp * cp > 1 else 0,
+                        recompute="full", sp=tp > 1, cp_method=cfg.parallel.cp_method)
+        if layout_problem(cfg, workload, layout, gpus, full_check=False):
+            continue
+        total = worst_rank_memory(workload, layout, hw, runtime).total
+        if best is None or total < best[1]:
+            best = (layout, total)
+    return best
+
+
+def smallest_fitting_cluster(cfg: Config, workload: Workload, hw: Hardware, runtime: Runtime,
+                             start: int, limit: int = 1 << 20) -> tuple[int, Layout] | None:
+    """The smallest GPU count (doubling from `start`) on which the leanest layout fits."""
+    gpus = max(1, start)
+    while gpus <= limit:
+        lean = leanest_layout(cfg, workload, hw, runtime, gpus)
+        if lean and lean[1] <= hw.memory_bytes:
+            return gpus, lean[0]
+        gpus *= 2
+    return None
