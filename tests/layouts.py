@@ -40,7 +40,7 @@ class Run:
     weights: dict[str, torch.Tensor]  # whole tensors, gathered
     comm: dict[str, int]  # the ledger of the last step
     state_bytes: dict[str, int]  # this rank's parameter / gradient / optimizer bytes
-    local_wq: torch.Tensor  # this rank's piece of layers.0.attention.wq.weight
+    local_wq: torch.Tensor  # this rank's piece of the first wq weight it holds
 
 
 def run_layout(overrides: dict) -> Run:
@@ -50,7 +50,8 @@ def run_layout(overrides: dict) -> Run:
     from fivefold.train.trainer import train
 
     result = train(tiny_config(overrides))
-    wq = result.parallel.model.layers["0"].attention.wq.weight
+    first_block = next(iter(result.parallel.parts[0].layers.values()))
+    wq = first_block.attention.wq.weight
     return Run(losses=result.losses, grad_norms=[r["grad_norm"] for r in result.records],
                weights=result.parallel.full_state_dict(), comm=result.records[-1]["comm_bytes"],
                state_bytes=result.state_bytes,

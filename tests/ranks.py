@@ -47,13 +47,14 @@ def _rank_main(rank, world_size, port, timeout_s, fn, args, kwargs, results):
             dist.destroy_process_group()
 
 
-def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 600, **kwargs) -> list:
+def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 600, collective_timeout_s: float | None = None,
+                 **kwargs) -> list:
     """fn(*args, **kwargs) on each of `world_size` ranks; returns the values, rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     # Collectives time out a little before the harness does, so a stuck rank reports itself.
-    collective_timeout = max(30.0, timeout_s - 30)
+    collective_timeout = collective_timeout_s or max(30.0, timeout_s - 30)
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world_size, port, collective_timeout, fn, args, kwargs, results))
              for r in range(world_size)]

@@ -107,9 +107,9 @@ def test_config_round_trip():
     assert config_from_hf(rewritten) == cfg
 
 
-def test_export_refuses_moe():
-    with pytest.raises(ConfigError, match="model.moe.n_experts=4: Hugging Face export covers dense"):
-        hf_config_from(ModelConfig(moe=MoEConfig(n_experts=4)))
+def test_export_refuses_moe_that_is_not_mixtral():
+    with pytest.raises(ConfigError, match="model.moe .n_experts=4. is not Mixtral-shaped"):
+        hf_config_from(ModelConfig(moe=MoEConfig(n_experts=4, balance="bias")))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -118,7 +118,7 @@ def test_export_refuses_moe():
     (dict(head_dim=32), "has head_dim=32 but fivefold needs head_dim = hidden_size/num_attention_heads = 16"),
     (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "uses rope_type 'yarn'"),
     (dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4)), "uses rope_type 'linear'"),
-    (dict(model_type="mistral"), "has model_type 'mistral'; fivefold reads Llama checkpoints only"),
+    (dict(model_type="mistral"), "has model_type 'mistral'; fivefold reads Llama and Mixtral checkpoints only"),
     (dict(hidden_act="gelu"), "has hidden_act 'gelu'"),
     (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "uses rope_type 'llama3' but lacks some of"),
     (dict(num_key_value_heads=3), "has hidden_size=64, num_attention_heads=4, num_key_value_heads=3; the "

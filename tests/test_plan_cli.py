@@ -67,7 +67,7 @@ def test_search_ranks_by_throughput_and_explains(capsys):
     speeds = [c["tokens_per_sec_per_gpu"] for c in cands]
     assert speeds[0] >= max(speeds) * 0.995  # ties within 0.5% go to the leaner layout
     assert cands[0]["why"].startswith("best: ")
-    assert "than" in cands[1]["why"]
+    assert "than" in cands[1]["why"] or cands[1]["why"].startswith("as fast as")
     assert data["rejected"] and all(r["reason"] for r in data["rejected"])
     world = {c["layout"]["dp"] * c["layout"]["tp"] * c["layout"]["pp"] * c["layout"]["cp"] for c in cands}
     assert world == {64}
@@ -97,7 +97,7 @@ def test_plot_writes_a_png(capsys, tmp_path):
     (("--bogus", "1"), "unknown option --bogus"),
     ((*LLAMA8, "--layout", "dp=8,recompute=some"), "recompute='some' is not one of"),
     ((*LLAMA8, "--model.n_layrs", "3", "--cluster.gpus", "8"), "unknown key model.n_layrs"),
-    ((*LLAMA8, "--layout", "dp=8,pp=2,mbs=1,pp_layers=10,10"), "must give 2 non-negative layer counts"),
+    ((*LLAMA8, "--layout", "dp=8,pp=2,mbs=1,pp_layers=10,10"), "parallel.pp_layers='10,10' adds up to 20 layers but model.n_layers=32"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(capsys, argv, sentence):
     code, out, err = plan(capsys, *argv)

@@ -15,7 +15,8 @@ import torch
 from fivefold.config import TrainConfig
 from fivefold.runtime import runtime_from_env
 from fivefold.train.optim import lr_multiplier
-from fivefold.train.trainer import autocast, micro_batches, train
+from fivefold.config import micro_batches
+from fivefold.train.trainer import autocast, train
 
 from layouts import tiny_config
 

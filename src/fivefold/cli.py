@@ -11,6 +11,7 @@ USAGE = """usage:
   fivefold train [CONFIG] [--nproc N] [--max-restarts K] [--section.key VALUE ...]
   fivefold config show [CONFIG] [--section.key VALUE ...]
   fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--layout "dp=8,tp=2,..."] [--json]
+  fivefold viz schedule --schedule 1f1b --pp 4 [--virtual 1] [--micro-batches 8] --out FILE.png
 """
 
 
@@ -61,7 +62,29 @@ def cmd_plan(args: list[str]) -> int:
     return run_plan(args)
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config, "plan": cmd_plan}
+def cmd_viz(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fivefold viz schedule")
+    parser.add_argument("what", choices=["schedule"])
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--virtual", type=int, default=1)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--out", required=True)
+    a = parser.parse_args(args)
+    # The same checks as a training config with this pipeline (one sentence on a bad combination).
+    cfg = load_config(None, {"model": {"n_layers": max(a.pp * a.virtual, 1)},
+                             "parallel": {"pp": a.pp, "pp_virtual": a.virtual, "pp_schedule": a.schedule},
+                             "train": {"global_batch": a.micro_batches, "micro_batch": 1}})
+    validate(cfg)
+    from fivefold.schedule_plot import draw_schedule
+
+    bubble = draw_schedule(a.schedule, a.pp, a.virtual, a.micro_batches, a.out)
+    print(f"wrote {a.out}: {a.schedule}, pp={a.pp}, {a.virtual} stage(s)/rank, {a.micro_batches} "
+          f"micro-batches, bubble {100 * bubble:.1f}%")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "config": cmd_config, "plan": cmd_plan, "viz": cmd_viz}
 
 
 def main(argv: list[str] | None = None) -> int:

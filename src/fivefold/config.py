@@ -326,6 +326,13 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines)
 
 
+def micro_batches(cfg: Config) -> int:
+    """Micro-batches per step on each data-parallel rank: global_batch / (dp · micro_batch), where
+    micro_batch = 0 means the rank's whole share at once (DESIGN.md batch arithmetic)."""
+    per_rank = cfg.train.global_batch // cfg.parallel.dp
+    return per_rank // (cfg.train.micro_batch or per_rank)
+
+
 from fivefold.validate import validate  # noqa: E402  (re-exported: config.validate is the contract)
 
 __all__ = ["Config", "ConfigError", "load_config", "parse_overrides", "to_toml", "validate"]

@@ -69,6 +69,24 @@ class ParallelDims:
         moved = np.transpose(grid, rest + axes).reshape(-1, int(np.prod([grid.shape[a] for a in axes])))
         return [row.tolist() for row in moved]
 
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(ep groups, expert-data-parallel groups).
+
+        ep borrows ranks from dp·cp: each row of data/context-parallel peers (in mesh order) is cut
+        into consecutive blocks of ep ranks, which split the experts among them; the ranks at the
+        same place of every block hold the same experts and reduce or shard their gradients
+        together (the expert-data-parallel group, dp·cp/ep ranks)."""
+        ep_groups, edp_groups = [], []
+        for row in self.groups(*self.token_dims):
+            ep_groups += [row[i:i + self.ep] for i in range(0, len(row), self.ep)]
+            edp_groups += [row[j::self.ep] for j in range(self.ep)]
+        return ep_groups, edp_groups
+
+    @property
+    def token_dims(self) -> list[str]:
+        """Mesh dimensions whose ranks hold different tokens of a step (and the same weights)."""
+        return [n for n, _ in self.mesh_dims if n in ("dp_replicate", "dp_shard", "cp")]
+
     def coordinates(self, rank: int) -> dict[str, int]:
         where = np.argwhere(self.rank_grid() == rank)[0]
         return {name: int(i) for (name, _), i in zip(self.mesh_dims, where)}
@@ -92,6 +110,22 @@ class ParallelDims:
         flattened = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
                      "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
                      "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp")}
+        if self.ep > 1:
+            # A second mesh over the same ranks: (other dims, expert-data-parallel, ep).
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+
+            import torch.distributed as dist
+
+            rows = np.array(self.groups(*self.token_dims)).reshape(-1, self.dp * self.cp // self.ep, self.ep)
+            experts = DeviceMesh(device_type, torch.tensor(rows), mesh_dim_names=("ep_rest", "edp", "ep"))
+            # The ep group gets a process group of its own even when it spans the world (a mesh would
+            # reuse the world group), so the ledger can tell all-to-all traffic from dp traffic.
+            ep_groups, _ = self.expert_groups()
+            mine, _ = dist.new_subgroups_by_enumeration(ep_groups)
+            my_ranks = next(g for g in ep_groups if dist.get_rank() in g)
+            ep_mesh = DeviceMesh.from_group(mine, device_type, mesh=my_ranks, mesh_dim_names=("ep",))
+            flattened.update(ep=ep_mesh, edp=experts["edp"])
         return Meshes(root, flattened)
 
 

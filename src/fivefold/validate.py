@@ -107,10 +107,22 @@ def _check_parallel(cfg: Config, world_size: int | None) -> None:
     _divides("parallel.tp", p.tp, "model.n_kv_heads", m.n_kv_heads)
     _divides("parallel.tp", p.tp, "model.ffn_dim", m.ffn_dim)
     _divides("parallel.tp", p.tp, "model.vocab_size", m.vocab_size)  # vocab-parallel embedding/output
+    if p.cp > 1:
+        _require(t.seq_len % (2 * p.cp) == 0, f"train.seq_len={t.seq_len} is not divisible by "
+                 f"2*parallel.cp={2 * p.cp} (context parallelism cuts each sequence into 2*cp equal "
+                 "chunks); change train.seq_len or parallel.cp")
+        if p.cp_method == "ulysses":  # tp divides n_heads: checked above
+            heads = m.n_heads // p.tp
+            _require(heads % p.cp == 0, f"parallel.cp_method='ulysses' splits the {heads} heads per "
+                     f"tensor-parallel rank (model.n_heads/parallel.tp) over parallel.cp={p.cp}, which "
+                     f"does not divide them; choose parallel.cp among {_divisors(heads)} or "
+                     "cp_method 'ring' or 'allgather'")
     if p.tp > 1 and p.sp:
         _require(t.seq_len % (p.tp * p.cp) == 0, f"train.seq_len={t.seq_len} is not divisible by "
                  f"parallel.tp*cp={p.tp * p.cp}, which sequence parallelism needs; change train.seq_len "
                  "or set parallel.sp=false")
+
+    _check_pipeline(cfg)
 
     # Batch arithmetic (DESIGN.md): global_batch = dp * micro_batch * micro-batches per step.
     _divides("parallel.dp", p.dp, "train.global_batch", t.global_batch)
@@ -119,9 +131,67 @@ def _check_parallel(cfg: Config, world_size: int | None) -> None:
         _require(per_rank % t.micro_batch == 0, f"train.micro_batch={t.micro_batch} does not divide the "
                  f"per-rank batch train.global_batch/parallel.dp = {per_rank}; choose a divisor of {per_rank}")
 
-    if m.moe.n_experts > 0 and p.ep > 1:
+    if p.ep > 1:
+        _require(m.moe.n_experts > 0, f"parallel.ep={p.ep} needs an MoE model; set model.moe.n_experts "
+                 "(or a preset such as 'tiny-moe'), or parallel.ep=1")
         _divides("parallel.ep", p.ep, "model.moe.n_experts", m.moe.n_experts)
+        if world_size is not None:  # a launch: the degrees are final (`config show` may set ep alone)
+            # ep borrows its ranks from dp·cp, and may borrow tp.
+            _divides("parallel.ep", p.ep, "parallel.dp*cp*tp", p.dp * p.cp * p.tp)
 
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """Stages, virtual stages, the layer split and what each schedule needs (torch.distributed.
+    pipelining's own requirements, said in our terms before any process starts)."""
+    from fivefold.config import micro_batches
+    from fivefold.parallel.pipeline_split import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, parse_layer_counts
+
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    name, v = p.pp_schedule, p.pp_virtual
+    if name in SINGLE_STAGE_SCHEDULES:
+        _require(v == 1, f"parallel.pp_schedule='{name}' runs one stage per rank, so parallel.pp_virtual "
+                 f"must be 1, got {v}; use 'interleaved_1f1b' or 'zb' for virtual stages")
+    elif name in V_SCHEDULES:
+        _require(v == 2, f"parallel.pp_schedule='{name}' runs two stages per rank in a V, so "
+                 f"parallel.pp_virtual must be 2, got {v}")
+    else:
+        _require(v >= 2, f"parallel.pp_schedule='{name}' interleaves virtual stages: set "
+                 f"parallel.pp_virtual >= 2 (got {v}), or use '1f1b'")
+    if p.pp == 1:
+        return
+    n_stages = p.pp * v
+    _require(n_stages <= m.n_layers, f"parallel.pp*pp_virtual = {n_stages} stages exceed model.n_layers="
+             f"{m.n_layers}; every stage needs at least one layer")
+    if p.pp_layers:
+        try:
+            counts = parse_layer_counts(p.pp_layers)
+        except ValueError:
+            raise ConfigError(f"parallel.pp_layers='{p.pp_layers}' must be comma-separated layer counts, "
+                              "e.g. '3,5'") from None
+        _require(len(counts) == n_stages, f"parallel.pp_layers='{p.pp_layers}' has {len(counts)} entries "
+                 f"but there are parallel.pp*pp_virtual = {n_stages} stages")
+        _require(sum(counts) == m.n_layers, f"parallel.pp_layers='{p.pp_layers}' adds up to {sum(counts)} "
+                 f"layers but model.n_layers={m.n_layers}")
+        _require(min(counts) >= 1, f"parallel.pp_layers='{p.pp_layers}' gives a stage no layer; every "
+                 "stage needs at least one")
+    if t.global_batch % p.dp or (t.micro_batch and (t.global_batch // p.dp) % t.micro_batch):
+        return  # the batch arithmetic check below names that problem
+    n_micro = micro_batches(cfg)
+    fix = (f"lower train.micro_batch (now {t.micro_batch or t.global_batch // p.dp} sequences) or raise "
+           "train.global_batch")
+    if name in ("1f1b", "dualpipev"):
+        _require(n_micro >= n_stages, f"parallel.pp_schedule='{name}' needs at least as many micro-batches "
+                 f"as stages ({n_stages}) but a step has {n_micro}; {fix}")
+    if name in ("interleaved_1f1b", "zb"):
+        rounds = max(1, n_micro // p.pp)
+        _require(n_micro % rounds == 0, f"parallel.pp_schedule='{name}' runs micro-batches in rounds of "
+                 f"parallel.pp={p.pp}: {n_micro} micro-batches per step must be fewer than pp or a "
+                 f"multiple of pp; {fix}")
+    if name in ("zb", "zbv", "dualpipev"):
+        _require(p.zero < 3, f"parallel.zero=3 with parallel.pp_schedule='{name}' is not supported: "
+                 "FSDP2 reduces a stage's gradients before the schedule's separate weight-gradient "
+                 "pass; use parallel.zero 1 or 2, or pp_schedule 'interleaved_1f1b'")
 
 
 def _check_data(cfg: Config) -> None:
@@ -169,11 +239,17 @@ def check_supported(cfg: Config) -> None:
     The planner evaluates these layouts; the trainer refuses them instead of ignoring them.
     """
     p, m = cfg.parallel, cfg.model
-    for key, issue in (("pp", 4), ("cp", 5), ("ep", 6)):
-        _require(getattr(p, key) == 1, f"parallel.{key}={getattr(p, key)} is not available yet "
-                 f"(it lands with issue #{issue}); set parallel.{key}=1")
-    _require(m.moe.n_experts == 0, "model.moe.n_experts > 0 (MoE training) is not available yet "
-             "(it lands with issue #6); use a dense preset such as 'tiny'")
+    if p.ep > 1:
+        _require(p.dp * p.cp % p.ep == 0, f"parallel.ep={p.ep} must divide parallel.dp*cp={p.dp * p.cp} "
+                 "for training (experts borrowing tensor-parallel ranks is not available yet); choose "
+                 f"parallel.ep among {_divisors(p.dp * p.cp)}")
+        _require(not p.dp_shard or p.dp_shard == p.dp, "parallel.ep > 1 with HSDP (parallel.dp_shard < "
+                 "parallel.dp) is not available yet; set parallel.dp_shard=0 or parallel.ep=1")
+    if m.moe.n_experts > 0 and p.cp > 1:
+        # Capacity and the auxiliary loss are decided per whole sequence; cp splits sequences.
+        _require(m.moe.capacity_factor == 0 and m.moe.balance != "aux_loss", "MoE with parallel.cp > 1 "
+                 "supports dropless routing with balance 'bias' or 'none' for now; set "
+                 "model.moe.capacity_factor=0 and model.moe.balance='bias', or parallel.cp=1")
     _require(cfg.checkpoint.every == 0 and cfg.checkpoint.resume == "none",
              "checkpointing is not available yet (it lands with issue #8); leave checkpoint.every=0 "
              "and checkpoint.resume='none'")

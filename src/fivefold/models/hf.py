@@ -3,8 +3,9 @@
 A folder is `config.json` plus safetensors weights (one file, several, or several named by
 `model.safetensors.index.json`). Only safetensors is read: a pickle file can run code on load.
 
-Names are translated by a table of templates (`NAME_MAP`), so a new architecture (Mixtral's
-experts, say) is new rows, not new code. Our RoPE uses the rotate-half convention of Hugging Face's
+Names are translated by a table of templates (`NAME_MAP`), so a new architecture is new rows, not
+new code. Mixtral adds its router rows there, and `EXPERT_MAP`: Hugging Face files keep one matrix
+per expert (`experts.{expert}.w1.weight`), fivefold one stacked (experts, out, in) tensor per layer. Our RoPE uses the rotate-half convention of Hugging Face's
 Llama, so the q/k projections are copied as they are, without the head permutation that Meta's
 original checkpoints would need.
 """
@@ -20,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ConfigError, ModelConfig, MoEConfig
 from fivefold.models.llama import Transformer
 
 # (Hugging Face name, our name); `{layer}` stands for a layer index.
@@ -37,18 +38,44 @@ NAME_MAP: list[tuple[str, str]] = [
     ("model.layers.{layer}.mlp.gate_proj.weight", "layers.{layer}.feed_forward.w1.weight"),
     ("model.layers.{layer}.mlp.up_proj.weight", "layers.{layer}.feed_forward.w3.weight"),
     ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.feed_forward.w2.weight"),
+    ("model.layers.{layer}.block_sparse_moe.gate.weight", "layers.{layer}.feed_forward.router.gate.weight"),
 ]
+
+# Per-expert Hugging Face tensors -> one stacked tensor of ours; `{expert}` stands for the expert index.
+EXPERT_MAP: list[tuple[str, str]] = [
+    ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight", "layers.{layer}.feed_forward.experts.w1"),
+    ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight", "layers.{layer}.feed_forward.experts.w2"),
+    ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight", "layers.{layer}.feed_forward.experts.w3"),
+]
+
+# Tensors of ours with no Hugging Face counterpart: bias balancing's state (zeros in a fresh model).
+OURS_ONLY = re.compile(r".*\.router\.expert_bias$")
 
 # Tensors some checkpoints carry that are derived, not learned (older transformers saved these).
 IGNORED_HF = re.compile(r".*\.rotary_emb\.inv_freq$")
 
 
 def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(re.escape("{layer}"), r"(?P<layer>\d+)") + "$")
+    escaped = re.escape(template).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+    return re.compile(escaped.replace(re.escape("{expert}"), r"(?P<expert>\d+)") + "$")
 
 
 _HF_TO_OURS = [(_pattern(hf), ours) for hf, ours in NAME_MAP]
 _OURS_TO_HF = [(_pattern(ours), hf) for hf, ours in NAME_MAP]
+_STACKED_TO_HF = [(_pattern(ours), hf) for hf, ours in EXPERT_MAP]
+
+
+def is_stacked(our_name: str) -> bool:
+    return any(pattern.match(our_name) for pattern, _ in _STACKED_TO_HF)
+
+
+def hf_sources(our_name: str, n_experts: int) -> list[str]:
+    """The Hugging Face tensors that make up one of ours: one name, or one per expert when stacked."""
+    for pattern, hf in _STACKED_TO_HF:
+        match = pattern.match(our_name)
+        if match:
+            return [hf.format(expert=e, **match.groupdict()) for e in range(n_experts)]
+    return [hf_name(our_name)]
 
 
 def _translate(name: str, table) -> str | None:
@@ -81,8 +108,20 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ConfigError(f"config.json {message}")
 
     model_type = hf.get("model_type", "llama")
-    if model_type != "llama":
-        refuse(f"has model_type '{model_type}'; fivefold reads Llama checkpoints only (model_type 'llama')")
+    if model_type not in ("llama", "mixtral"):
+        refuse(f"has model_type '{model_type}'; fivefold reads Llama and Mixtral checkpoints only "
+               "(model_type 'llama' or 'mixtral')")
+    moe: dict = {}
+    if model_type == "mixtral":
+        if hf.get("sliding_window"):
+            refuse(f"sets sliding_window={hf['sliding_window']}; fivefold's attention is full causal, set it to null")
+        for key in ("num_local_experts", "num_experts_per_tok"):
+            if not isinstance(hf.get(key), int) or hf[key] <= 0:
+                refuse(f"needs a positive integer {key}, got {hf.get(key)!r}")
+        # Mixtral: softmax router, top-k renormalised, every layer MoE, experts as wide as intermediate_size.
+        moe = dict(moe=MoEConfig(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                                 expert_ffn_dim=hf["intermediate_size"], score="softmax", balance="aux_loss",
+                                 aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.01))))
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if not isinstance(hf.get(key), int) or hf[key] <= 0:
             refuse(f"needs a positive integer {key}, got {hf.get(key)!r}")
@@ -128,25 +167,31 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                        rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                       max_seq_len=int(hf.get("max_position_embeddings", 2048)), **scaling)
+                       max_seq_len=int(hf.get("max_position_embeddings", 2048)), **scaling, **moe)
 
 
 def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """A Llama config.json for `cfg`.
+    """A Llama config.json for `cfg` (a Mixtral one for a Mixtral-shaped MoE).
 
     RoPE is written the pre-5.0 way (top-level rope_theta and rope_scaling): transformers 5 still
     reads it, while older readers would silently ignore `rope_parameters` and use the wrong theta.
     """
-    if cfg.moe.n_experts > 0:
-        raise ConfigError(f"model.moe.n_experts={cfg.moe.n_experts}: Hugging Face export covers dense "
-                          "Llama models only for now")
+    m = cfg.moe
+    if m.n_experts > 0:
+        mixtral = (m.score == "softmax" and m.balance != "bias" and m.n_shared_experts == 0 and m.every == 1
+                   and m.first_dense == 0 and (m.expert_ffn_dim or cfg.ffn_dim) == cfg.ffn_dim
+                   and m.capacity_factor == 0 and cfg.rope_scaling == 0)
+        if not mixtral:
+            raise ConfigError(f"model.moe (n_experts={m.n_experts}) is not Mixtral-shaped: Hugging Face export "
+                              "covers dense Llama models and Mixtral (softmax router, no bias balancing, no "
+                              "shared experts, every layer MoE, expert_ffn_dim = ffn_dim, dropless)")
     rope_scaling = None
     if cfg.rope_scaling > 0:
         rope_scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling,
                         "low_freq_factor": cfg.rope_low_freq_factor,
                         "high_freq_factor": cfg.rope_high_freq_factor,
                         "original_max_position_embeddings": cfg.rope_original_max_seq_len}
-    return {
+    out = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
@@ -157,6 +202,13 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if m.n_experts > 0:
+        out.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=m.n_experts,
+                   num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coeff, sliding_window=None,
+                   router_jitter_noise=0.0, output_router_logits=False)
+        for key in ("rope_scaling", "mlp_bias", "attention_bias"):
+            del out[key]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,7 +266,11 @@ def load_pretrained(path, dtype: torch.dtype | None = torch.float32) -> Transfor
     if cfg.tie_embeddings:
         del expected["output.weight"]  # HF omits lm_head when it is tied; embed_tokens fills both
     where = _weight_files(folder)
-    tensors = _read_tensors(folder, where, expected, dtype)
+    ours_only = {name: shape for name, shape in expected.items() if OURS_ONLY.match(name)}
+    for name in ours_only:
+        del expected[name]
+    tensors = _read_tensors(folder, where, expected, dtype, cfg.moe.n_experts)
+    tensors.update({name: torch.zeros(shape) for name, shape in ours_only.items()})
     if cfg.tie_embeddings:
         tensors["output.weight"] = tensors["tok_embeddings.weight"]
     model.load_state_dict(tensors, strict=True, assign=True)
@@ -225,33 +281,41 @@ def load_pretrained(path, dtype: torch.dtype | None = torch.float32) -> Transfor
 
 
 def _read_tensors(folder: Path, where: dict[str, Path], expected: dict[str, tuple],
-                  dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    hf_names = {hf_name(ours): ours for ours in expected}
+                  dtype: torch.dtype | None, n_experts: int = 0) -> dict[str, torch.Tensor]:
+    # Each of ours comes from one Hugging Face tensor, or (stacked experts) one per expert.
+    sources = {ours: hf_sources(ours, n_experts) for ours in expected}
+    stacked = {ours for ours in expected if is_stacked(ours)}
+    hf_names = {hf: (ours, index) for ours, names in sources.items() for index, hf in enumerate(names)}
     for name in where:
         if name not in hf_names and not IGNORED_HF.match(name) and not (
                 name == "lm_head.weight" and "output.weight" not in expected):
             raise ConfigError(f"{folder} holds tensor {name}, which fivefold's Llama has no place for; "
                               "check that config.json describes these weights")
+
+    def piece_shape(ours: str) -> tuple:
+        return expected[ours][1:] if ours in stacked else expected[ours]
+
     by_file: dict[Path, list[str]] = {}
-    for name, ours in hf_names.items():
+    for name, (ours, _) in hf_names.items():
         if name not in where:
-            raise ConfigError(f"{folder} is missing tensor {name} (shape {list(expected[ours])}) that "
+            raise ConfigError(f"{folder} is missing tensor {name} (shape {list(piece_shape(ours))}) that "
                               "config.json implies")
         by_file.setdefault(where[name], []).append(name)
-    tensors = {}
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
     for file, names in by_file.items():
         if not file.is_file():
             raise ConfigError(f"{file} is named by model.safetensors.index.json but does not exist")
         with safe_open(file, framework="pt") as f:
             for name in names:
-                ours = hf_names[name]
+                ours, index = hf_names[name]
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[ours]:
+                if shape != piece_shape(ours):
                     raise ConfigError(f"tensor {name} in {file} has shape {list(shape)}, but config.json "
-                                      f"implies {list(expected[ours])}")
+                                      f"implies {list(piece_shape(ours))}")
                 tensor = f.get_tensor(name)
-                tensors[ours] = tensor.to(dtype) if dtype is not None else tensor
-    return tensors
+                pieces.setdefault(ours, {})[index] = tensor.to(dtype) if dtype is not None else tensor
+    return {ours: torch.stack([got[i] for i in range(len(got))]) if ours in stacked else got[0]
+            for ours, got in pieces.items()}
 
 
 def _materialize_buffers(model: Transformer, cfg: ModelConfig) -> None:
@@ -276,7 +340,13 @@ def save_hf(model: Transformer, path) -> Path:
     state = model.state_dict()
     if model.cfg.tie_embeddings:
         del state["output.weight"]  # safetensors refuses shared storage; HF re-ties lm_head on load
-    tensors = {hf_name(name): t.detach().cpu().contiguous() for name, t in state.items()}
+    tensors = {}
+    for name, t in state.items():
+        if OURS_ONLY.match(name):
+            continue  # bias balancing's state: Mixtral has none (hf_config_from refused balance="bias")
+        names = hf_sources(name, model.cfg.moe.n_experts)
+        pieces = t.unbind(0) if is_stacked(name) else [t]  # stacked experts: one tensor per expert
+        tensors.update({hf: piece.detach().cpu().contiguous() for hf, piece in zip(names, pieces)})
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")

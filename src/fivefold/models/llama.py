@@ -111,7 +111,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        from fivefold.models.moe import moe_feed_forward  # here: moe.py builds on this module
+
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, moe_feed_forward(cfg, i))
+                                     for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -128,10 +131,10 @@ class Transformer(nn.Module):
 
         `positions` (batch or 1, seq) defaults to 0..seq-1; a shard of a sequence passes its own.
         """
-        seq_len = tokens.shape[1]  # of the input: hidden states inside may hold a slice of it
         if positions is None:
-            positions = torch.arange(seq_len, device=tokens.device)
-        positions = positions.reshape(-1, seq_len)  # (batch or 1, seq), whatever was passed
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        if positions.dim() == 1:
+            positions = positions[None]  # (batch or 1, seq)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_tables(positions)
         for layer in self.layers.values():
@@ -152,7 +155,7 @@ class Transformer(nn.Module):
             if "norm" in name:
                 param.fill_(1.0)
                 continue
-            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
             param.copy_(seeded_normal(seed, name, param.shape, std))
 
 

@@ -18,27 +18,66 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.config import Config, TrainConfig
+from fivefold.config import Config
 from fivefold.mesh import ParallelDims
 from fivefold.parallel.buckets import Bucket, make_buckets
+from fivefold.parallel.expert import is_expert_param
 from fivefold.parallel.grad_norm import (clip_coefficient, copies_of_local_piece, global_norm,
-                                         local_tensor, settle_partial_grad, weighted_square_sum)
-from fivefold.train.optim import adamw
+                                         local_tensor, settle_grad_layout, weighted_square_sum)
 
 
-def trainable(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
+def trainable(parts: list[nn.Module]) -> list[nn.Parameter]:
+    """Each trainable parameter once, even when two parts (pipeline stages) share it."""
+    seen, params = set(), []
+    for part in parts:
+        for param in part.parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
 
 
 class DataParallel:
-    """Whole-tensor gradients and optimizer (no data parallelism: dp = 1)."""
+    """Whole-tensor gradients and optimizer (no data parallelism: dp = 1).
+
+    `parts` are this rank's model parts: the model, or the pipeline stages this rank runs."""
 
     name = "no data parallelism"
 
-    def __init__(self, model: nn.Module, dims: ParallelDims):
-        self.model, self.dims = model, dims
-        self.params = trainable(model)
+    def __init__(self, parts: list[nn.Module], dims: ParallelDims):
+        self.parts, self.dims = parts, dims
+        self.params = trainable(parts)
         self.norm_world = dims.world_size // dims.pp  # ranks that together hold one full model
+        # Parameters held on more ranks than the layout says (a tied embedding split across the
+        # first and last pipeline stage): id -> extra factor on their copies.
+        self.extra_copies: dict[int, int] = {}
+        # Expert parameters under expert parallelism: each ep rank holds different experts, and their
+        # gradients meet over the expert-data-parallel group instead of dp·cp (parallel/expert.py).
+        self.expert_ids = ({id(p) for part in parts for n, p in part.named_parameters() if is_expert_param(n)}
+                           if dims.ep > 1 else set())
+
+    def copies(self, param: torch.Tensor) -> int:
+        copies = copies_of_local_piece(param, self.norm_world) * self.extra_copies.get(id(param), 1)
+        return copies // self.dims.ep if id(param) in self.expert_ids else copies
+
+    def reduction_buckets(self, padded_to, group, group_rank, expert_group, expert_rank) -> list[Bucket]:
+        """Buckets of dense parameters, reduced over `group`, and apart of expert parameters, reduced
+        over the expert-data-parallel group. Every gradient is divided by all dp·cp ranks: an expert
+        already summed the tokens of its whole ep group. Each bucket carries its group, its size,
+        this rank's place in it (None: not needed) and the gradient scale."""
+        dense = [p for p in self.params if id(p) not in self.expert_ids]
+        expert = [p for p in self.params if id(p) in self.expert_ids]
+        buckets = []
+        for params, grp, rank in ((dense, group, group_rank), (expert, expert_group, expert_rank)):
+            if not params:
+                continue
+            size = dist.get_world_size(grp)
+            pad = size if padded_to is None else padded_to
+            for bucket in make_buckets(params, padded_to=pad):
+                bucket.group, bucket.group_size, bucket.group_rank = grp, size, rank
+                bucket.scale = 1.0 / (self.dims.dp * self.dims.cp)  # HSDP's replica all-reduce adds, too
+                buckets.append(bucket)
+        return buckets
 
     @contextlib.contextmanager
     def grad_sync(self, is_last: bool):
@@ -55,19 +94,20 @@ class DataParallel:
 
     def finish_grads(self) -> None:
         for param in self.params:
-            settle_partial_grad(param)
+            settle_grad_layout(param)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = global_norm(weighted_square_sum(
-            [(local_tensor(g), copies_of_local_piece(g, self.norm_world)) for g in grads]))
+        with_grads = [p for p in self.params if p.grad is not None]
+        grads = [p.grad for p in with_grads]
+        norm = global_norm(weighted_square_sum([(local_tensor(p.grad), self.copies(p)) for p in with_grads]))
         coefficient = clip_coefficient(norm, max_norm)
         if coefficient < 1.0:
             torch._foreach_mul_([local_tensor(g) for g in grads], coefficient)
         return norm
 
-    def build_optimizer(self, cfg: TrainConfig) -> torch.optim.Optimizer:
-        return adamw(self.params, cfg)
+    def build_optimizer(self, make_optimizer) -> torch.optim.Optimizer:
+        """`make_optimizer(tensors)` builds the optimizer over the tensors this rank updates."""
+        return make_optimizer(self.params)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
@@ -95,10 +135,10 @@ class ReplicatedDataParallel(DataParallel):
 
     name = "zero 0: replicated parameters, bucketed gradient all-reduce"
 
-    def __init__(self, model, dims, group):
-        super().__init__(model, dims)
+    def __init__(self, parts, dims, group, expert_group=None):
+        super().__init__(parts, dims)
         self.group, self.group_size = group, dist.get_world_size(group)
-        self.buckets = make_buckets(self.params, padded_to=1)
+        self.buckets = self.reduction_buckets(1, group, None, expert_group, None)
         self._syncing = False
         self._next_bucket = 0
         self._handles: list = []
@@ -109,7 +149,7 @@ class ReplicatedDataParallel(DataParallel):
     def _make_hook(self, bucket: Bucket):
         def hook(param):
             if self._syncing:
-                settle_partial_grad(param)
+                settle_grad_layout(param)
                 bucket.mark_ready(param)
                 self._launch_ready_buckets()
         return hook
@@ -118,8 +158,8 @@ class ReplicatedDataParallel(DataParallel):
         # Launch strictly in bucket order so every rank issues the same collectives in the same order.
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].all_ready:
             bucket = self.buckets[self._next_bucket]
-            bucket.pack_grads(scale=1.0 / self.group_size)
-            self._handles.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+            bucket.pack_grads(scale=bucket.scale)
+            self._handles.append(dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True))
             self._next_bucket += 1
 
     def begin_micro_batch(self, is_last: bool) -> None:
@@ -139,16 +179,17 @@ class ReplicatedDataParallel(DataParallel):
         self._handles, self._next_bucket, self._syncing = [], 0, False
 
 
-def build_data_parallel(model: nn.Module, dims: ParallelDims, mesh, cfg: Config) -> DataParallel:
+def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: Config) -> DataParallel:
     if dims.dp * dims.cp == 1:
-        return DataParallel(model, dims)
+        return DataParallel(parts, dims)
     zero = cfg.parallel.zero
     if zero == 0:
-        return ReplicatedDataParallel(model, dims, mesh["dp_cp"].get_group())
+        return ReplicatedDataParallel(parts, dims, mesh["dp_cp"].get_group(),
+                                      mesh["edp"].get_group() if dims.ep > 1 else None)
     if zero in (1, 2):
         from fivefold.parallel.zero import ShardedOptimizerDataParallel
 
-        return ShardedOptimizerDataParallel(model, dims, mesh, shard_grads=zero == 2)
+        return ShardedOptimizerDataParallel(parts, dims, mesh, shard_grads=zero == 2)
     from fivefold.parallel.fsdp import FullyShardedDataParallel
 
-    return FullyShardedDataParallel(model, dims, mesh)
+    return FullyShardedDataParallel(parts, dims, mesh)

@@ -13,19 +13,28 @@ from fivefold.parallel.data import DataParallel
 
 
 class FullyShardedDataParallel(DataParallel):
-    def __init__(self, model, dims, mesh):
+    def __init__(self, parts, dims, mesh):
         hsdp = dims.dp_replicate > 1
         # cp ranks hold the same weights as their dp peers, so they shard them together.
         self.dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if hsdp else mesh["dp_shard_cp"]
-        self.units = []
-        for block in model.layers.values():
-            fully_shard(block, mesh=self.dp_mesh, reshard_after_forward=True)
-            self.units.append(block)
-        fully_shard(model, mesh=self.dp_mesh)
-        super().__init__(model, dims)  # parameters are DTensors from here on
+        for part in parts:
+            for block in part.layers.values():
+                experts = getattr(block.feed_forward, "experts", None)
+                if dims.ep > 1 and experts is not None:
+                    # Expert weights: sharded over the ranks holding the same experts, gradients summed
+                    # there and divided by all dp·cp ranks (an expert saw its whole ep group's tokens).
+                    fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=True)
+                    experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
+                    # Sum, then divide (gloo has no PREMUL_SUM); not on one rank, where FSDP divides
+                    # without communicating and a forced sum would divide a second time.
+                    experts.set_force_sum_reduction_for_comms(mesh["edp"].size() > 1)
+                fully_shard(block, mesh=self.dp_mesh, reshard_after_forward=True)
+            fully_shard(part, mesh=self.dp_mesh)
+        super().__init__(parts, dims)  # parameters are DTensors from here on
         self.name = (f"zero 3 (FSDP2): parameters, gradients and optimizer state sharded over "
                      f"{dims.dp_shard * dims.cp} ranks" + (f", replicated x{dims.dp_replicate} (HSDP)" if hsdp else ""))
 
     def begin_micro_batch(self, is_last: bool) -> None:
         # Accumulate unreduced gradients until the last micro-batch, then reduce-scatter once.
-        self.model.set_requires_gradient_sync(is_last)
+        for part in self.parts:
+            part.set_requires_gradient_sync(is_last)

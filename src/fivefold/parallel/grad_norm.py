@@ -13,7 +13,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def copies_of_local_piece(tensor: torch.Tensor, world_size: int) -> int:
@@ -32,12 +32,12 @@ def copies_of_local_piece(tensor: torch.Tensor, world_size: int) -> int:
     return copies
 
 
-def settle_partial_grad(param: torch.Tensor) -> None:
-    """Sum a gradient DTensor left as pending partial sums (e.g. a sequence-parallel norm weight:
-    each tp rank saw part of the sequence) into the parameter's own layout, so that its local
-    values are the real gradient."""
+def settle_grad_layout(param: torch.Tensor) -> None:
+    """Bring a gradient DTensor into its parameter's layout, so that its local values are this
+    rank's piece of the real gradient: pending partial sums (a sequence-parallel norm weight: each
+    tp rank saw part of the sequence) are summed, a whole gradient of a sharded weight is sliced."""
     grad = param.grad
-    if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
         param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
@@ -46,11 +46,16 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_square_sum(pieces: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """Σ ||piece||² / copies, in fp64 so that the order of summation does not matter at 1e-12."""
-    total = torch.zeros((), dtype=torch.float64)
+    """Σ ||piece||² / copies: one fused norm per group of pieces with the same number of copies,
+    each tensor's norm in its own precision, the sum over tensors in fp64."""
+    by_copies: dict[int, list[torch.Tensor]] = {}
     for piece, copies in pieces:
         if piece.numel():
-            total += piece.detach().double().pow(2).sum().cpu() / copies
+            by_copies.setdefault(copies, []).append(piece.detach())
+    total = torch.zeros((), dtype=torch.float64)
+    for copies, tensors in by_copies.items():
+        norms = torch.stack(torch._foreach_norm(tensors)).double().cpu()
+        total += norms.pow(2).sum() / copies
     return total
 
 

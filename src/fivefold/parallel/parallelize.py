@@ -14,10 +14,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import Config, TrainConfig
+from fivefold.config import Config
 from fivefold.mesh import ParallelDims
 from fivefold.parallel.comm_ledger import CommLedger
+from fivefold.parallel.context import SequenceSplit, apply_context_parallel
 from fivefold.parallel.data import DataParallel, build_data_parallel
+from fivefold.parallel.expert import (apply_expert_parallel, apply_moe_tensor_parallel, finish_router_step,
+                                      gather_experts, set_aux_grad_scale)
+from fivefold.parallel.pipeline import Pipeline
 from fivefold.parallel.recompute import apply_recompute
 
 
@@ -27,15 +31,22 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class Parallelized:
-    def __init__(self, model: nn.Module, dims: ParallelDims, mesh, data_parallel: DataParallel,
-                 n_params: int, loss_parallel: bool):
-        self.model, self.dims, self.mesh = model, dims, mesh
+    def __init__(self, parts: list[nn.Module], dims: ParallelDims, mesh, data_parallel: DataParallel,
+                 n_params: int, loss_parallel: bool, pipeline: Pipeline | None = None):
+        # parts: the model, or under pipeline parallelism the stages this rank runs.
+        self.parts, self.dims, self.mesh, self.pipeline = parts, dims, mesh, pipeline
+        self.model = parts[0] if pipeline is None else None
         self.data_parallel = data_parallel
         self.n_params = n_params  # of the whole model, for FLOPs
         self._loss_parallel = loss_parallel
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         self._dp_cp_group = mesh["dp_cp"].get_group() if mesh is not None else None
         self.ledger = CommLedger(group_dimensions(mesh)) if mesh is not None else None
+        self._sequence_split = SequenceSplit.from_mesh(mesh)  # all of each sequence unless cp > 1
+        self._tied_group = None  # set by parallelize() when a tied matrix is split over pp ranks
+        self._ep_mesh = mesh["ep"] if mesh is not None and dims.ep > 1 else None
+        self.router_metrics: dict = {}  # MoE load, imbalance, drops, aux loss of the last step
+        self._n_micro = 0  # of the last forward_backward (0: all recorded forwards)
 
     def _loss_context(self):
         if self._loss_parallel:
@@ -66,11 +77,20 @@ class Parallelized:
     def split_sequence(self, windows: torch.Tensor):
         """(inputs, labels, RoPE positions or None) of this rank from windows of seq_len+1 tokens.
         Context parallelism keeps only this rank's part of each sequence here."""
-        return windows[:, :-1], windows[:, 1:], None
+        return self._sequence_split(windows)
 
     def forward_backward(self, batch: torch.Tensor, n_micro: int, autocast) -> torch.Tensor:
         """Forward, loss and backward of every micro-batch of a step on this rank's share of the
         global batch; returns the sum of the micro-batch losses (each already divided by n_micro)."""
+        # MoE aux loss weighs like each micro-batch's LM loss: 1/n_micro (the pipeline's too).
+        set_aux_grad_scale(self.parts, 1.0 / n_micro)
+        self._n_micro = n_micro
+        if self.pipeline is not None:
+            inputs, labels, positions = self.split_sequence(batch)
+            if positions is None:
+                positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
+            with autocast(), self._loss_context():
+                return self.pipeline.run(inputs, labels, positions)
         total = torch.zeros((), device=batch.device)
         for micro, chunk in enumerate(batch.chunk(n_micro)):
             inputs, labels, positions = self.split_sequence(chunk)
@@ -82,19 +102,39 @@ class Parallelized:
         return total
 
     def finish_grads(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.sum_tied_grads(self._tied_group)
         self.data_parallel.finish_grads()
+
+    def eval_loss(self, windows: torch.Tensor, autocast) -> float:
+        """Mean loss of a batch without gradients (this rank's share; not yet averaged over dp)."""
+        inputs, labels, positions = self.split_sequence(windows)
+        if self.pipeline is not None:
+            if positions is None:
+                positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
+            with torch.no_grad(), autocast(), self._loss_context():
+                return self.pipeline.evaluate(inputs, labels, positions).item()
+        with torch.no_grad(), autocast():
+            return self.loss_value(self.loss(self.model(inputs, positions), labels)).item()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return self.data_parallel.clip_grad_norm(max_norm)
 
-    def optimizer(self, cfg: TrainConfig) -> torch.optim.Optimizer:
-        return self.data_parallel.build_optimizer(cfg)
+    def optimizer(self, make_optimizer) -> torch.optim.Optimizer:
+        """`make_optimizer(tensors)` -> optimizer; this rank decides which tensors it updates."""
+        return self.data_parallel.build_optimizer(make_optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.data_parallel.optimizer_step(optimizer)
+        # MoE: the step's load over the global batch moves balancing biases; metrics for the log.
+        self.router_metrics = finish_router_step(self.parts, self._dp_cp_group, self._n_micro)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return self.data_parallel.state_bytes(optimizer)
+
+    def bubble_fraction(self, step_time_s: float) -> float | None:
+        """Measured pipeline bubble of the last step (None without a pipeline)."""
+        return self.pipeline.take_bubble(step_time_s) if self.pipeline is not None else None
 
     def measure_comm(self):
         """Context around a step: the collectives inside it are entered in the ledger."""
@@ -117,9 +157,17 @@ class Parallelized:
         from torch.distributed.tensor import DTensor
 
         out = {}
-        for name, param in self.model.named_parameters():
-            whole = param.full_tensor() if isinstance(param, DTensor) else param
-            out[name] = whole.detach().cpu().clone()
+        for part in self.parts:
+            for name, param in part.named_parameters():
+                whole = param.full_tensor() if isinstance(param, DTensor) else param
+                whole = gather_experts(name, whole, self._ep_mesh)  # each ep rank holds some experts
+                out[name] = whole.detach().cpu().clone()
+        if self.pipeline is not None:
+            stages = [None] * self.dims.pp
+            dist.all_gather_object(stages, out, group=self.mesh["pp"].get_group())
+            out = {name: tensor for stage in stages for name, tensor in stage.items()}
+            if self.pipeline.tied:
+                out.pop("output.weight", None)  # the single-device model holds it once
         return out
 
     def describe(self) -> str:
@@ -136,6 +184,13 @@ def group_dimensions(mesh) -> dict[str, str]:
                         ("dp_shard_cp", "dp"), ("cp", "cp"), ("tp", "tp"), ("pp", "pp")):
         if mesh[view].size() > 1:
             dims[mesh[view].get_group().group_name] = label
+    for view, label in (("ep", "ep"), ("edp", "dp")):  # present only under expert parallelism
+        try:
+            sub = mesh[view]
+        except KeyError:
+            continue
+        if sub.size() > 1:
+            dims[sub.get_group().group_name] = label
     return dims
 
 
@@ -145,15 +200,48 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
     if mesh is not None:
         dims.warn_if_tp_crosses_nodes(cfg.parallel.gpus_per_node)
     model.to(device)
-    loss_parallel = False
-    if dims.tp > 1:
-        from fivefold.parallel.tensor import apply_tensor_parallel
+    pipeline = Pipeline(model, cfg, mesh["pp"], device) if dims.pp > 1 else None
+    parts = pipeline.parts if pipeline is not None else [model]
+    for part in parts:
+        if dims.tp > 1:
+            from fivefold.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=cfg.parallel.sp)
-        loss_parallel = True
-    apply_recompute(model.layers, cfg.train.recompute)
-    if cfg.train.compile:
-        for block in model.layers.values():
-            block.compile()
-    data_parallel = build_data_parallel(model, dims, mesh, cfg)
-    return Parallelized(data_parallel.model, dims, mesh, data_parallel, n_params, loss_parallel)
+            apply_tensor_parallel(part, mesh["tp"], sequence_parallel=cfg.parallel.sp)
+            apply_moe_tensor_parallel(part, mesh["tp"], sequence_parallel=cfg.parallel.sp)
+        if dims.ep > 1:
+            apply_expert_parallel(part, mesh["ep"])
+        if dims.cp > 1:
+            apply_context_parallel(part, mesh["cp"], cfg.parallel.cp_method)
+        apply_recompute(part.layers, cfg.train.recompute)
+        if cfg.train.compile:
+            for block in part.layers.values():
+                block.compile()
+    data_parallel = build_data_parallel(parts, dims, mesh, cfg)
+    tied_group = None
+    if pipeline is not None:
+        tied_group = tied_embedding_group(dims, pipeline)
+        for param in pipeline.tied_copies():
+            data_parallel.extra_copies[id(param)] = 2  # the pipeline holds the matrix twice
+        pipeline.build_schedule(cfg, lm_loss)
+    par = Parallelized(parts, dims, mesh, data_parallel, n_params, loss_parallel=dims.tp > 1,
+                       pipeline=pipeline)
+    par._tied_group = tied_group
+    if tied_group is not None and par.ledger is not None:
+        par.ledger.group_dims[tied_group.group_name] = "pp"  # the pipeline's two ends
+    return par
+
+
+def tied_embedding_group(dims: ParallelDims, pipeline: Pipeline):
+    """The group of the two ranks holding copies of the tied embedding matrix (first and last
+    stage, same dp/cp/tp coordinates), or None when no copy is split across ranks. Every rank
+    creates every such group (process-group creation is collective)."""
+    first, last = pipeline.tied_group_members()
+    if not pipeline.tied or first == last:
+        return None
+    mine = None
+    for pp_ranks in dims.groups("pp"):
+        pair = [pp_ranks[first], pp_ranks[last]]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine

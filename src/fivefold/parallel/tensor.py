@@ -13,6 +13,8 @@ split evenly, so validate() requires tp to divide n_heads and n_kv_heads (no kv 
 from __future__ import annotations
 
 from torch import nn
+
+from fivefold.models.llama import FeedForward
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -28,7 +30,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
     }
     if sequence_parallel:
         top_plan["norm"] = SequenceParallel()
-    tied = model.output.weight is model.tok_embeddings.weight
+    # A pipeline stage has only some of these modules.
+    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
+    tied = (model.output is not None and model.tok_embeddings is not None
+            and model.output.weight is model.tok_embeddings.weight)
     parallelize_module(model, tp_mesh, top_plan)
     if tied:
         # Both layers shard the same (vocab, dim) matrix by vocabulary rows: keep one parameter.
@@ -51,4 +56,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
         if sequence_parallel:
             block_plan["attention_norm"] = SequenceParallel()
             block_plan["ffn_norm"] = SequenceParallel()
+        if not isinstance(block.feed_forward, FeedForward):  # MoE: parallel/expert.py lays it out
+            block_plan = {k: v for k, v in block_plan.items() if not k.startswith("feed_forward")}
         parallelize_module(block, tp_mesh, block_plan)

@@ -19,11 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.parallel.buckets import make_buckets
 from fivefold.parallel.data import DataParallel
-from fivefold.parallel.grad_norm import (clip_coefficient, copies_of_local_piece, global_norm,
-                                         settle_partial_grad, weighted_square_sum)
-from fivefold.train.optim import adamw
+from fivefold.parallel.grad_norm import (clip_coefficient, global_norm,
+                                         settle_grad_layout, weighted_square_sum)
 
 # torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -31,8 +29,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class ShardedOptimizerDataParallel(DataParallel):
-    def __init__(self, model, dims, mesh, shard_grads: bool):
-        super().__init__(model, dims)
+    def __init__(self, parts, dims, mesh, shard_grads: bool):
+        super().__init__(parts, dims)
         self.name = (f"zero {2 if shard_grads else 1}: optimizer state{' and gradients' if shard_grads else ''} "
                      f"sharded over {dims.dp_shard * dims.cp} ranks" + (f", replicated x{dims.dp_replicate}" if dims.dp_replicate > 1 else ""))
         self.shard_grads = shard_grads
@@ -40,31 +38,36 @@ class ShardedOptimizerDataParallel(DataParallel):
         self.shard_group = mesh["dp_shard_cp"].get_group()
         self.replicate_group = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
         self.n_shards, self.shard_rank = dims.dp_shard * dims.cp, mesh["dp_shard_cp"].get_local_rank()
-        self.buckets = make_buckets(self.params, padded_to=self.n_shards)
-        self.chunks = [nn.Parameter(b.pack_params().chunk(self.n_shards)[self.shard_rank].clone())
+        # Expert parameters are sharded over the ranks holding the same experts (parallel/expert.py).
+        expert_mesh = mesh["edp"] if dims.ep > 1 else None
+        self.buckets = self.reduction_buckets(
+            None, self.shard_group, self.shard_rank, expert_mesh and expert_mesh.get_group(),
+            expert_mesh and expert_mesh.get_local_rank())
+        self.chunks = [nn.Parameter(b.pack_params().chunk(b.group_size)[b.group_rank].clone())
                        for b in self.buckets]
-        self._segments = [self._norm_segments(b) for b in self.buckets]
+        self._segments = None  # built at the first clip: extra_copies may be set after construction
         self._syncing, self._next_bucket, self._pending = False, 0, []
+        self._reduced_in_micro_batches = False
         for bucket in self.buckets:
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(self._make_hook(bucket))
 
     def _norm_segments(self, bucket) -> list[tuple[int, int, int]]:
         """(start, end, copies) of each parameter's part inside this rank's chunk of `bucket`."""
-        chunk = bucket.padded // self.n_shards
-        lo, hi = self.shard_rank * chunk, (self.shard_rank + 1) * chunk
+        chunk = bucket.padded // bucket.group_size
+        lo, hi = bucket.group_rank * chunk, (bucket.group_rank + 1) * chunk
         segments = []
         for param, offset, size in zip(bucket.params, bucket.offsets, bucket.sizes):
             start, end = max(lo, offset), min(hi, offset + size)
             if start < end:
-                copies = copies_of_local_piece(param, self.norm_world) // self.n_shards
+                copies = self.copies(param) // bucket.group_size
                 segments.append((start - lo, end - lo, copies))
         return segments
 
     def _make_hook(self, bucket):
         def hook(param):
             if self._syncing:
-                settle_partial_grad(param)
+                settle_grad_layout(param)
                 bucket.mark_ready(param)
                 self._launch_ready_buckets()
         return hook
@@ -73,11 +76,11 @@ class ShardedOptimizerDataParallel(DataParallel):
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].all_ready:
             index = self._next_bucket
             bucket, chunk = self.buckets[index], self.chunks[index]
-            bucket.pack_grads(scale=1.0 / (self.dims.dp * self.dims.cp))
+            bucket.pack_grads(scale=bucket.scale)
             for param in bucket.params:
                 param.grad = None  # the bucket holds these gradients now
             received = torch.empty_like(chunk)
-            handle = _reduce_scatter(received, bucket.buffer, group=self.shard_group, async_op=True)
+            handle = _reduce_scatter(received, bucket.buffer, group=bucket.group, async_op=True)
             self._pending.append((index, received, handle))
             self._next_bucket += 1
 
@@ -99,6 +102,7 @@ class ShardedOptimizerDataParallel(DataParallel):
     def end_micro_batch(self) -> None:
         if self.shard_grads:
             self._flush()
+            self._reduced_in_micro_batches = True
 
     def _flush(self) -> None:
         for bucket in self.buckets[self._next_bucket:]:
@@ -107,14 +111,17 @@ class ShardedOptimizerDataParallel(DataParallel):
         self._complete_pending()
 
     def finish_grads(self) -> None:
-        if not self.shard_grads:  # zero 2 already reduced each micro-batch as it ended
+        if not self._reduced_in_micro_batches:  # zero 2 reduces each micro-batch as it ends
             self._flush()
+        self._reduced_in_micro_batches = False
         if self.replicate_group is not None:
             for chunk in self.chunks:
                 dist.all_reduce(chunk.grad, group=self.replicate_group)
         self._syncing = False
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self._segments is None:
+            self._segments = [self._norm_segments(b) for b in self.buckets]
         pieces = [(chunk.grad[start:end], copies) for chunk, segments in zip(self.chunks, self._segments)
                   for start, end, copies in segments]
         norm = global_norm(weighted_square_sum(pieces))
@@ -127,12 +134,12 @@ class ShardedOptimizerDataParallel(DataParallel):
         live_buckets = [b.buffer for b in self.buckets if b.allocated]
         return live_buckets + [c.grad for c in self.chunks if c.grad is not None]
 
-    def build_optimizer(self, cfg) -> torch.optim.Optimizer:
-        return adamw(self.chunks, cfg)
+    def build_optimizer(self, make_optimizer) -> torch.optim.Optimizer:
+        return make_optimizer(self.chunks)  # the optimizer sees only this rank's chunks
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
         for bucket, chunk in zip(self.buckets, self.chunks):
             gathered = torch.empty(bucket.padded, dtype=chunk.dtype, device=chunk.device)
-            _all_gather(gathered, chunk.detach(), group=self.shard_group)
+            _all_gather(gathered, chunk.detach(), group=bucket.group)
             bucket.unpack_params(gathered)

@@ -15,7 +15,7 @@ from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import DEFAULT_RUNTIME, PROFILES, hardware_from_cluster
 from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
 from fivefold.plan.report import plot_memory, table, to_json
-from fivefold.plan.search import (explain_single, layout_problem, leanest_layout, search,
+from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, search,
                                   smallest_fitting_cluster)
 from fivefold.plan.workload import workload_from_config
 from fivefold.validate import validate
@@ -175,6 +175,7 @@ def _plan(argv: list[str]) -> int:
                 ranked.append(est)
         if not ranked:
             raise PlanError(_fits_nowhere(cfg, workload, hw, gpus, result))
+        explain(ranked)  # the comparisons name the runner-up that survived the re-check
         candidates, rejected = ranked, result.rejected
         n_fitting, n_rejected = len(result.ranked), result.n_rejected
         title = (f"{name} on {gpus} x {hw.name} ({hw.memory_bytes / GB:.0f} GB), seq {workload.seq_len}, "

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fivefold.config import Config
+from fivefold.config import Config, micro_batches
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_model
 from fivefold.parallel.parallelize import Parallelized, parallelize
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
 from fivefold.train.data import GlobalBatchSampler, Split, load_splits, rank_slice
 from fivefold.train.metrics import MetricsWriter, flops_per_token, peak_flops
-from fivefold.train.optim import lr_scheduler
+from fivefold.train.optim import adamw, lr_scheduler
 from fivefold.validate import check_supported, validate
 
 
@@ -37,12 +37,6 @@ class TrainResult:
     @property
     def losses(self) -> list[float]:
         return [r["loss"] for r in self.records]
-
-
-def micro_batches(cfg: Config) -> int:
-    """Micro-batches per step on each data-parallel rank (DESIGN.md batch arithmetic)."""
-    per_rank = cfg.train.global_batch // cfg.parallel.dp
-    return per_rank // (cfg.train.micro_batch or per_rank)
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -71,9 +65,7 @@ def evaluate(par: Parallelized, split: Split, cfg: Config, device: torch.device)
     total = 0.0
     for step in range(cfg.train.eval_batches):
         local = rank_slice(split.windows(sampler.indices(step)), par.dp_rank, cfg.parallel.dp).to(device)
-        inputs, labels, positions = par.split_sequence(local)
-        with autocast(cfg, device):
-            total += par.loss_value(par.loss(par.model(inputs, positions), labels)).item()
+        total += par.eval_loss(local, lambda: autocast(cfg, device))
     return par.mean_over_dp(total / cfg.train.eval_batches)
 
 
@@ -82,7 +74,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     t = cfg.train
     train_split, val_split = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
     sampler = GlobalBatchSampler(train_split.num_windows, t.global_batch, t.seed)
-    optimizer = par.optimizer(t)
+    optimizer = par.optimizer(lambda params: adamw(params, t))
     scheduler = lr_scheduler(optimizer, t)
     n_micro = micro_batches(cfg)
     tokens_per_step = t.global_batch * t.seq_len
@@ -119,7 +111,11 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
             "mfu": flops_per_step / step_time / (peak * rt.world_size) if peak else None,
             "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device),
             "comm_bytes": par.comm_bytes_last_step(),
+            **par.router_metrics,  # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops
         }
+        bubble = par.bubble_fraction(step_time)
+        if bubble is not None:
+            record["bubble_fraction"] = bubble  # measured: idle share of the pipeline ranks
         if t.eval_every and (step + 1) % t.eval_every == 0 and val_split.num_windows:
             record["val_loss"] = evaluate(par, val_split, cfg, rt.device)
         result.records.append(record)

@@ -1,0 +1,263 @@
+"""Mixture-of-Experts feed-forward: router, SwiGLU experts, optional shared experts.
+
+Still a plain single-device module. Two seams let parallel/expert.py spread the experts over ranks
+without touching the math here:
+- `MoE.run_experts(tokens, counts)` computes the experts on tokens already sorted by expert;
+  expert parallelism swaps it for all-to-all dispatch, the local experts, and all-to-all combine.
+- Everything that depends on several tokens (capacity, auxiliary loss, load) is decided per
+  *sequence* (GShard's "group" = one sequence), on the rank that holds the sequence, before any
+  dispatch. A sequence never spans data-parallel ranks, micro-batches or pipeline stages, so every
+  such layout makes the same decisions as the single process, without extra communication.
+
+The auxiliary loss reaches the gradients without being added to the model's output: an autograd
+function passes the layer's output through unchanged and, in backward, gives the auxiliary loss the
+gradient `aux_grad_scale` (Megatron's approach). So it works the same inside a pipeline stage or a
+recomputed block; the training loop only sets the scale (1/micro-batches, like the LM loss).
+Router statistics (load per expert, dropped assignments, auxiliary loss value) are kept per
+forward, skipping no-grad forwards (evaluation) and the forwards that recomputation repeats inside
+backward; `take_stats(n)` sums the last n (a step's micro-batches: a pipeline stage's first step
+runs one extra forward to infer shapes) and clears them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.config import ModelConfig, MoEConfig
+from fivefold.models.llama import FeedForward
+
+
+def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
+    m = cfg.moe
+    return m.n_experts > 0 and index >= m.first_dense and (index - m.first_dense) % m.every == 0
+
+
+def moe_feed_forward(cfg: ModelConfig, index: int) -> nn.Module | None:
+    """The MoE feed-forward of layer `index`, or None where the layer stays dense."""
+    return MoE(cfg.dim, cfg.moe.expert_ffn_dim or cfg.ffn_dim, cfg.moe) if is_moe_layer(cfg, index) else None
+
+
+class Router(nn.Module):
+    """Scores every expert, picks top-k. With balance="bias" (DeepSeek-V3), a per-expert bias is
+    added for the choice only; the combine weights come from the unbiased scores."""
+
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
+        # A buffer, not a parameter: moved by observed load, never by gradients; saved with the model.
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens (T, dim) -> scores (T, E) fp32, chosen experts (T, k), combine weights (T, k)."""
+        logits = self.gate(tokens).float()
+        scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
+        choice = scores + self.expert_bias if self.cfg.balance == "bias" else scores
+        indices = choice.topk(self.cfg.top_k, dim=-1, sorted=True).indices
+        weights = scores.gather(-1, indices)
+        if self.cfg.top_k > 1:  # Mixtral and DeepSeek-V3 renormalise the chosen weights to sum to 1
+            weights = weights / weights.sum(-1, keepdim=True)
+        return scores, indices, weights
+
+
+class Experts(nn.Module):
+    """n SwiGLU experts stored stacked, (experts, out, in) like nn.Linear weights, so that a rank
+    can keep a slice of them and a grouped matmul can take them whole."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (N, dim) rows sorted by expert, counts[e] rows for expert e of this module."""
+        return grouped_swiglu(x, self.w1, self.w2, self.w3, counts)
+
+
+def grouped_swiglu(x, w1, w2, w3, counts: list[int]) -> torch.Tensor:
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+    if grouped_mm_usable(x.device, dtype, x.shape[-1], w1.shape[1]):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        hidden = F.silu(torch._grouped_mm(x, w1.mT, offs=offsets)) * torch._grouped_mm(x, w3.mT, offs=offsets)
+        return torch._grouped_mm(hidden, w2.mT, offs=offsets)
+    return looped_swiglu(x, w1, w2, w3, counts)
+
+
+def looped_swiglu(x, w1, w2, w3, counts: list[int]) -> torch.Tensor:
+    """One matmul per expert: the fallback, and the reference the grouped path is tested against."""
+    outs = [F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e])
+            for e, part in enumerate(x.split(counts))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+GROUPED_MM_ENABLED = True  # benchmarks turn it off to time the per-expert loop
+
+
+def grouped_mm_usable(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    # torch._grouped_mm needs row strides in multiples of 16 bytes, and not every device/dtype has it
+    # (CUDA wants bf16 on recent GPUs; CPU takes fp32 and bf16 in torch 2.13).
+    aligned = all(n * torch.finfo(dtype).bits // 8 % 16 == 0 for n in (dim, hidden))
+    return GROUPED_MM_ENABLED and aligned and _grouped_mm_works(device.type, device.index, dtype)
+
+
+@functools.cache
+def _grouped_mm_works(device_type: str, index, dtype: torch.dtype) -> bool:
+    """Try it once per device and dtype on a tiny aligned problem, forward and backward."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    # Own saved-tensor hooks: the probe may run inside a recomputed (checkpointed) block, whose
+    # recomputation must save exactly what the first forward saved.
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.enable_grad():
+        try:
+            x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            out = torch._grouped_mm(x, w, offs=torch.tensor([1, 3], device=device, dtype=torch.int32))
+            out.backward(torch.ones_like(out))
+            return bool(torch.allclose(out.float(), torch.full((3, 16), 16.0, device=device)))
+        except (RuntimeError, NotImplementedError):
+            return False
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on `out`; backward also sends `scale` into `aux`, as if `scale·aux` were in the loss."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale: float):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        shape, dtype, device = ctx.aux_meta
+        return grad_out, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+@dataclass
+class RouterStats:
+    """Summed over forwards on this rank."""
+    load: torch.Tensor | None = None  # (E,) assignments chosen per expert, before capacity drops
+    dropped: int = 0  # assignments dropped by capacity
+    aux_loss: float = 0.0  # sum of the forwards' auxiliary losses (unscaled)
+    forwards: int = 0
+
+    def add(self, other: "RouterStats") -> "RouterStats":
+        load = other.load if self.load is None else self.load + other.load
+        return RouterStats(load, self.dropped + other.dropped, self.aux_loss + other.aux_loss,
+                           self.forwards + other.forwards)
+
+
+def _counts_for_stats() -> bool:
+    # Not evaluation (no grad) and not a recomputation running inside a backward pass.
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(dim, cfg)
+        self.experts = Experts(cfg.n_experts, dim, hidden)
+        self.shared = FeedForward(dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.aux_grad_scale = 1.0  # set by the training loop: 1/micro-batches per step
+        self.stats: list[RouterStats] = []  # one per forward since the last take_stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        k, n_experts = self.cfg.top_k, self.cfg.n_experts
+        tokens = x.reshape(-1, dim)
+        scores, indices, weights = self.router(tokens)
+        keep = capacity_keep(indices.view(batch, seq, k), n_experts, self.capacity(seq)).reshape(-1)
+        aux = (sequence_aux_loss(scores.view(batch, seq, -1), indices.view(batch, seq, k), self.cfg)
+               if self.cfg.balance == "aux_loss" else None)
+        if _counts_for_stats():
+            self._record(indices, keep, aux)
+
+        # Assignments (token, slot) that survive capacity, sorted by expert (stable: same order in
+        # every layout, so the combine below adds the same numbers in the same order).
+        experts_of = indices.reshape(-1)[keep]
+        token_of = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(k)[keep]
+        order = torch.argsort(experts_of, stable=True)
+        counts = torch.bincount(experts_of, minlength=n_experts).tolist()
+        routed = self.run_experts(tokens[token_of[order]], counts)
+        weighted = routed * weights.reshape(-1)[keep][order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros(tokens.shape[0], dim, dtype=routed.dtype, device=x.device)
+        out = out.index_add(0, token_of[order], weighted)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        out = out.view(batch, seq, dim).to(x.dtype)
+        if aux is not None and torch.is_grad_enabled():
+            out = AttachAuxLoss.apply(out, aux, self.aux_grad_scale)
+        return out
+
+    @torch.no_grad()
+    def _record(self, indices, keep, aux) -> None:
+        self.stats.append(RouterStats(torch.bincount(indices.reshape(-1), minlength=self.cfg.n_experts),
+                                      int((~keep).sum()), float(aux) if aux is not None else 0.0, 1))
+
+    def take_stats(self, last: int | None = None) -> RouterStats:
+        """The sum over the last `last` recorded forwards (all when None); clears the record."""
+        kept = self.stats[-last:] if last else self.stats
+        self.stats = []
+        total = RouterStats()
+        for one in kept:
+            total = total.add(one)
+        return total
+
+    def run_experts(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows sorted by expert (counts[e] for expert e) -> expert outputs in the same order."""
+        return self.experts(routed, counts)
+
+    def capacity(self, seq: int) -> int | None:
+        """Assignments each expert takes per sequence; None = dropless."""
+        c = self.cfg
+        return math.ceil(c.capacity_factor * seq * c.top_k / c.n_experts) if c.capacity_factor > 0 else None
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's aux-loss-free balancing: nudge the choice bias of overloaded experts down and
+        of underloaded ones up by a fixed rate, from the load seen over a whole step."""
+        load = load.to(self.router.expert_bias.device, torch.float32)
+        self.router.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+
+
+def capacity_keep(indices: torch.Tensor, n_experts: int, capacity: int | None) -> torch.Tensor:
+    """(batch, seq, k) chosen experts -> (batch, seq, k) bool, False for assignments dropped.
+
+    Per sequence, each expert takes at most `capacity` assignments, first-choice assignments
+    before second choices (GShard), earlier positions first within a choice."""
+    if capacity is None:
+        return torch.ones_like(indices, dtype=torch.bool)
+    batch, seq, k = indices.shape
+    by_priority = indices.transpose(1, 2).reshape(batch, k * seq)  # slot-major, then position
+    # Rank of each assignment among its expert's; (batch, k*seq, E) is small for a sequence.
+    one_hot = F.one_hot(by_priority, n_experts)
+    rank = (one_hot.cumsum(1) * one_hot).sum(-1) - 1
+    return (rank < capacity).view(batch, k, seq).transpose(1, 2)
+
+
+def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """Switch/GShard load-balancing loss per sequence, averaged over the sequences:
+    coeff · E · Σ_e f_e · P_e, f_e = share of the sequence's k·seq assignments that chose e,
+    P_e = mean routing probability of e over its tokens (sigmoid scores normalised per token).
+    Uniform routing gives exactly `coeff`."""
+    batch, seq, k = indices.shape
+    probs = scores if cfg.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    with torch.no_grad():
+        chosen = F.one_hot(indices, cfg.n_experts).sum(2).float()  # (batch, seq, E)
+        fraction = chosen.sum(1) / (seq * k)  # (batch, E)
+    per_sequence = cfg.n_experts * (fraction * probs.mean(1)).sum(-1)
+    return cfg.aux_loss_coeff * per_sequence.mean()
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]

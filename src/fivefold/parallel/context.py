@@ -1,0 +1,85 @@
+"""Context parallelism (ours): each sequence is split over the cp ranks, attention made whole again.
+
+Load balancing: the sequence is cut into 2·cp equal chunks and rank r keeps chunks r and 2·cp−1−r,
+so under the causal mask every rank has the same attention work (an early chunk sees little, a
+late one much). Inputs, labels and RoPE positions are split the same way; every other layer is
+per-token and needs nothing. Every rank holds as many tokens as the others, so the mean of the
+per-rank mean losses over dp×cp is the mean over the global batch.
+
+Attention is the only layer that mixes tokens: each block's parameter-free `attention.core` is
+replaced by `ContextParallelAttention`, which runs one of three exact methods over the cp group:
+ring (parallel/ring_attention.py), all-gather or Ulysses (parallel/gathered_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def chunks_of(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunk indices (of 2·cp) that cp rank `rank` holds, early one first."""
+    return rank, 2 * cp - 1 - rank
+
+
+def gathered_chunk_order(cp: int) -> list[int]:
+    """Global chunk index at each chunk slot of the ranks' local sequences laid end to end."""
+    return [chunk for rank in range(cp) for chunk in chunks_of(rank, cp)]
+
+
+def local_positions(rank: int, cp: int, local_len: int, device=None) -> torch.Tensor:
+    """Positions in the whole sequence of this rank's `local_len` tokens."""
+    chunk = local_len // 2
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunks_of(rank, cp)])
+
+
+class SequenceSplit:
+    """Which tokens of each training window this rank keeps: all of them at cp=1."""
+
+    def __init__(self, cp_rank: int = 0, cp: int = 1):
+        self.cp_rank, self.cp = cp_rank, cp
+
+    @classmethod
+    def from_mesh(cls, mesh) -> "SequenceSplit":
+        if mesh is None or mesh["cp"].size() == 1:
+            return cls()
+        return cls(mesh["cp"].get_local_rank(), mesh["cp"].size())
+
+    def __call__(self, windows: torch.Tensor):
+        """(inputs, labels, RoPE positions (1, local_seq) or None) from windows of seq_len+1 tokens."""
+        inputs, labels = windows[:, :-1], windows[:, 1:]
+        if self.cp == 1:
+            return inputs, labels, None
+        local_len = inputs.shape[1] // self.cp
+        positions = local_positions(self.cp_rank, self.cp, local_len, device=windows.device)
+        return inputs[:, positions], labels[:, positions], positions.unsqueeze(0)
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention of this rank's queries against the whole (cp-split) sequence; q, k, v are
+    (batch, heads, local_seq, head_dim) in the load-balanced layout, k/v possibly with fewer heads."""
+
+    def __init__(self, group, method: str):
+        super().__init__()
+        from fivefold.parallel.gathered_attention import allgather_attention, ulysses_attention
+        from fivefold.parallel.ring_attention import ring_attention
+
+        methods = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+        self.group, self.method = group, method
+        self._attend = methods[method]
+
+    @torch.compiler.disable  # point-to-point sends and custom autograd: leave them out of graphs
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # The block math accumulates in fp32 itself; under bf16 autocast its matmuls would not.
+        with torch.autocast(q.device.type, enabled=False):
+            return self._attend(q, k, v, self.group)
+
+    def extra_repr(self) -> str:
+        return f"method={self.method}"
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh, method: str) -> None:
+    """Swap every block's attention core for the context-parallel one over `cp_mesh`."""
+    group = cp_mesh.get_group()
+    for block in model.layers.values():
+        block.attention.core = ContextParallelAttention(group, method)

@@ -1,0 +1,171 @@
+"""Expert parallelism (ours): each rank of an ep group keeps n_experts/ep of every MoE layer's
+experts, and tokens travel to their expert and back by all-to-all.
+
+The single-device MoE (models/moe.py) routes, applies capacity and sorts its assignments by expert
+on the rank that holds the tokens; only `MoE.run_experts` is replaced here. A call:
+1. exchange counts: how many rows this rank sends to each expert (an even all-to-all of E ints);
+2. dispatch: all-to-all of the rows, uneven sizes (rank r gets the rows for its experts);
+3. compute: rows arrive grouped by source rank, then expert; regroup by expert for the grouped
+   matmul, and back;
+4. combine: the reverse all-to-all returns the outputs in the order the rows were sent.
+Both all-to-alls are one autograd function whose backward is the reverse all-to-all, so gradients
+take the same routes back. Expert gradients are then reduced over the expert-data-parallel group
+(data.py / zero.py / fsdp.py), dense ones over dp·cp as before.
+
+Also here: the MoE layers under tensor parallelism, and the per-step router bookkeeping
+(load reduced over dp·cp, bias balancing, metrics), which every layout shares.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.models.moe import MoE, moe_layers
+
+_EXPERT_PARAM = re.compile(r"(^|\.)experts\.w[123]$")
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether a parameter (by its single-device name) is split over ep ranks."""
+    return bool(_EXPERT_PARAM.search(name))
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Uneven all-to-all of rows; backward sends the gradients back along the same routes."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class ExpertParallelDispatch:
+    """Stands in for `MoE.run_experts` on a rank holding experts [first, first + n_local)."""
+
+    def __init__(self, moe: MoE, group, n_local: int):
+        self.moe, self.group, self.n_local = moe, group, n_local
+        self.ep = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.bytes_sent = 0  # forward dispatch rows leaving this rank, for benchmarks/moe.py
+
+    def __call__(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ep, n_local = self.ep, self.n_local
+        sent = torch.tensor(counts, dtype=torch.long, device=routed.device)
+        received = _all_to_all(sent, [n_local] * ep, [n_local] * ep, self.group)
+        from_rank = received.view(ep, n_local).tolist()  # [source rank][local expert] rows
+        send_splits = [sum(counts[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+        recv_splits = [sum(row) for row in from_rank]
+        rows = AllToAll.apply(routed, recv_splits, send_splits, self.group)
+        self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * routed[0].numel() * routed.element_size()
+
+        order = expert_major_order(from_rank, rows.device)
+        local_counts = [sum(row[e] for row in from_rank) for e in range(n_local)]
+        out = self.moe.experts(rows[order], local_counts)
+        back = out[torch.argsort(order)]  # undo the regrouping
+        return AllToAll.apply(back, send_splits, recv_splits, self.group)
+
+
+def expert_major_order(from_rank: list[list[int]], device) -> torch.Tensor:
+    """Row indices that turn rows grouped [source rank][expert] into [expert][source rank]."""
+    starts, offset = [], 0
+    for row in from_rank:
+        starts.append([])
+        for n in row:
+            starts[-1].append(offset)
+            offset += n
+    pieces = [torch.arange(starts[r][e], starts[r][e] + from_rank[r][e]) for e in range(len(from_rank[0]))
+              for r in range(len(from_rank))]
+    return torch.cat(pieces).to(device) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def apply_expert_parallel(part: nn.Module, ep_mesh) -> None:
+    """Keep this rank's slice of every MoE layer's experts and route through all-to-all."""
+    ep, rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
+    for moe in moe_layers(part):
+        n_local = moe.cfg.n_experts // ep
+        first = rank * n_local
+        for name in ("w1", "w2", "w3"):
+            whole = getattr(moe.experts, name)
+            setattr(moe.experts, name, nn.Parameter(whole.detach()[first:first + n_local].clone()))
+        moe.run_experts = ExpertParallelDispatch(moe, group, n_local)
+
+
+def apply_moe_tensor_parallel(part: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """MoE layers under tensor parallelism: the layer takes the whole (replicated) residual stream,
+    as the dense MLP does, and runs replicated on every tp rank (experts are not split by tp);
+    its output goes back to the stream's layout (a local slice under sequence parallelism), as a
+    plain tensor like the rest of the stream between blocks."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+
+    stream = Shard(1) if sequence_parallel else Replicate()
+    for block in part.layers.values():
+        if isinstance(block.feed_forward, MoE):
+            parallelize_module(block.feed_forward, tp_mesh, PrepareModuleInputOutput(
+                input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=True))
+
+
+def gather_experts(name: str, tensor: torch.Tensor, ep_mesh) -> torch.Tensor:
+    """The whole (n_experts, ...) tensor from each ep rank's slice (a collective over ep)."""
+    if ep_mesh is None or not is_expert_param(name):
+        return tensor
+    pieces = [torch.empty_like(tensor) for _ in range(ep_mesh.size())]
+    dist.all_gather(pieces, tensor.contiguous(), group=ep_mesh.get_group())
+    return torch.cat(pieces)
+
+
+def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int) -> dict:
+    """After a step: the load each MoE layer saw over the whole global batch (its `n_micro`
+    micro-batches here, summed over dp·cp), the bias update of bias balancing from it, and the
+    router metrics. Same in every layout."""
+    layers = [m for part in parts for m in moe_layers(part)]
+    if not layers:
+        return {}
+    stats = [m.take_stats(last=n_micro) for m in layers]
+    n_experts = layers[0].cfg.n_experts
+    loads = [s.load.double().cpu() if s.load is not None else torch.zeros(n_experts, dtype=torch.float64)
+             for s in stats]
+    aux = [s.aux_loss / s.forwards if s.forwards else 0.0 for s in stats]
+    packed = torch.cat([torch.stack(loads).flatten(), torch.tensor([float(s.dropped) for s in stats]),
+                        torch.tensor(aux, dtype=torch.float64)])
+    ranks = 1
+    if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
+        ranks = dist.get_world_size(dp_cp_group)
+        device = next(iter(parts[0].parameters())).device
+        on_device = packed.to(device)  # nccl reduces device tensors only
+        dist.all_reduce(on_device, group=dp_cp_group)
+        packed = on_device.cpu()
+    n = len(layers)
+    load = packed[:n * n_experts].view(n, n_experts)
+    dropped, aux_sum = packed[n * n_experts: n * n_experts + n], packed[n * n_experts + n:]
+    for layer, layer_load in zip(layers, load):
+        if layer.cfg.balance == "bias":
+            layer.update_bias(layer_load)
+    imbalance = (load.max(1).values / load.mean(1).clamp(min=1e-9)).max().item()
+    metrics = {"moe_tokens_per_expert": [int(x) for x in load.sum(0).tolist()],
+               "moe_imbalance": imbalance, "moe_dropped_tokens": int(dropped.sum().item())}
+    if layers[0].cfg.balance == "aux_loss":
+        metrics["aux_loss"] = aux_sum.sum().item() / ranks
+    return metrics
+
+
+def set_aux_grad_scale(parts: list[nn.Module], scale: float) -> None:
+    for part in parts:
+        for moe in moe_layers(part):
+            moe.aux_grad_scale = scale

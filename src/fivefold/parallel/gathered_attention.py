@@ -1,0 +1,178 @@
+"""The two collective-based context-parallel attentions (ours), over the layout of parallel/context.py.
+
+- All-gather (as in Llama 3): every rank all-gathers K/V (with their own kv head count), attends
+  its two query chunks to the keys at or before them, and reduce-scatters dK/dV in backward. K/V
+  are gathered again in backward rather than kept, so only the local K/V are saved.
+- Ulysses: one all-to-all turns sequence-split q/k/v into head-split whole sequences, ordinary
+  causal attention runs on cp-th of the heads, and one all-to-all turns the output back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fivefold.parallel.attention_blocks import block_backward, block_forward, merge_rows
+from fivefold.parallel.context import gathered_chunk_order, local_positions
+
+# torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---- all-gather ----------------------------------------------------------------------------------
+
+def _gather_kv(k, v, group) -> torch.Tensor:
+    """(2, b, kv_heads, seq, d): every rank's K and V, in sequence order."""
+    cp = dist.get_world_size(group)
+    local = torch.stack((k, v)).contiguous()
+    gathered = local.new_empty((cp * 2,) + local.shape[1:])  # gloo wants ranks along dim 0, flat
+    _all_gather(gathered, local, group=group)
+    gathered = gathered.unflatten(0, (cp, 2))
+    chunks = gathered.movedim(0, 3).unflatten(4, (2, -1)).flatten(3, 4)  # (2, b, hkv, 2cp, c, d)
+    in_order = torch.tensor(gathered_chunk_order(cp), device=k.device).argsort()
+    return chunks.index_select(3, in_order).flatten(3, 4)
+
+
+def _scatter_kv_grads(dkv_whole: torch.Tensor, group) -> torch.Tensor:
+    """Sum every rank's gradient of the whole K/V and keep this rank's part: (2, b, hkv, L, d)."""
+    cp = dist.get_world_size(group)
+    chunks = dkv_whole.unflatten(3, (2 * cp, -1))
+    slots = chunks.index_select(3, torch.tensor(gathered_chunk_order(cp), device=dkv_whole.device))
+    per_rank = slots.unflatten(3, (cp, 2)).flatten(4, 5).movedim(3, 0).contiguous()  # (cp, 2, b, hkv, L, d)
+    mine = per_rank.new_empty(per_rank.shape[1:])
+    _reduce_scatter(mine, per_rank.flatten(0, 1), group=group)
+    return mine
+
+
+def _allgather_blocks(rank: int, cp: int, chunk: int):
+    """(query rows, key columns, causal) of each block: each local chunk sees every earlier key
+    fully and its own chunk causally; keys after it are never touched."""
+    blocks = []
+    for half, index in enumerate((rank, 2 * cp - 1 - rank)):
+        rows, start = slice(half * chunk, (half + 1) * chunk), index * chunk
+        blocks.append((rows, slice(start, start + chunk), True))
+        if start > 0:
+            blocks.append((rows, slice(0, start), False))
+    return blocks
+
+
+def allgather_forward(q, k, v, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in q's dtype, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    scale = q.shape[-1] ** -0.5
+    kv = _gather_kv(k, v, group)
+    out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
+        block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                             causal, scale)
+        if causal:  # listed first for its rows: it starts them
+            out[:, :, rows], lse[:, :, rows] = block_out, block_lse
+        else:
+            merge_rows(out, lse, rows, block_out, block_lse)
+    return out.to(q.dtype), lse
+
+
+def allgather_backward(dout, q, k, v, out, lse, group):
+    """(dq, dk, dv) of this rank's q, k, v, given the final output and LSE of its queries."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    scale = q.shape[-1] ** -0.5
+    kv = _gather_kv(k, v, group)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
+        dq_block, dk_block, dv_block = block_backward(
+            dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+            out[:, :, rows], lse[:, :, rows], causal, scale)
+        dq[:, :, rows] += dq_block
+        dkv[0][:, :, cols] += dk_block
+        dkv[1][:, :, cols] += dv_block
+    mine = _scatter_kv_grads(dkv, group)
+    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
+
+
+class AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        out, lse = allgather_forward(q, k, v, group)
+        ctx.group = group
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return *allgather_backward(dout, *ctx.saved_tensors, ctx.group), None
+
+
+def allgather_attention(q, k, v, group) -> torch.Tensor:
+    return AllGatherAttention.apply(q, k, v, group)
+
+
+# ---- Ulysses -------------------------------------------------------------------------------------
+
+def _sequence_to_heads(x, group):
+    """(b, cp·n, L, d) split by sequence -> (b, n, cp·L, d) split by heads (rank slots in order)."""
+    cp = dist.get_world_size(group)
+    send = x.unflatten(1, (cp, -1)).movedim(1, 0).contiguous()  # head group r goes to rank r
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # slot r: rank r's tokens, my heads
+    return received.movedim(0, 2).flatten(2, 3)
+
+
+def _heads_to_sequence(x, group):
+    """The inverse of `_sequence_to_heads`."""
+    cp = dist.get_world_size(group)
+    send = x.unflatten(2, (cp, -1)).movedim(2, 0).contiguous()  # rank r's tokens go back to rank r
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # slot r: my tokens, rank r's heads
+    return received.movedim(0, 1).flatten(1, 2)
+
+
+class SequenceToHeads(torch.autograd.Function):
+    """The all-to-all; its gradient is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad.contiguous(), ctx.group), None
+
+
+class HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad.contiguous(), ctx.group), None
+
+
+def ulysses_attention(q, k, v, group) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    heads, kv_heads, local_len = q.shape[1], k.shape[1], q.shape[2]
+    # Each rank gets heads/cp query heads and must get the kv heads they use: with fewer kv heads
+    # than cp, repeat each just enough (lcm(kv_heads, cp) divides heads, which cp divides).
+    repeat = math.lcm(kv_heads, cp) // kv_heads
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    # One all-to-all for q, k and v: per destination rank, its query heads then its k and v heads.
+    parts = [t.unflatten(1, (cp, -1)) for t in (q, k, v)]
+    sizes = [p.shape[2] for p in parts]
+    mixed = SequenceToHeads.apply(torch.cat(parts, dim=2).flatten(1, 2), group)
+    q, k, v = mixed.split(sizes, dim=1)
+    # Slots hold rank 0's tokens, then rank 1's...; attention needs them in sequence order.
+    slot_positions = torch.cat([local_positions(r, cp, local_len, q.device) for r in range(cp)])
+    in_order = slot_positions.argsort()
+    q, k, v = (t.index_select(2, in_order) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    out = out.index_select(2, slot_positions)  # back to slot order
+    return HeadsToSequence.apply(out.contiguous(), group)

@@ -1,0 +1,180 @@
+"""Pipeline parallelism through `torch.distributed.pipelining`: stages and schedules.
+
+The model is cut into pp × pp_virtual stages (parallel/pipeline_split.py); this rank builds the
+stages it runs, each a copy of the full model with the other layers removed, so parameter names
+(and checkpoint keys) stay those of the single-device model. The first stage owns the embedding,
+the last the final norm, output layer and loss. A step's micro-batches are the schedule's
+micro-batches, each micro-batch loss divided by their number: exactly the gradient accumulation
+of the non-pipelined run.
+
+Tied embeddings: the first and the last stage each hold a copy of the matrix; the copies'
+gradients are summed (over the pair of ranks when the stages live apart) before the update, so
+the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
+
+from fivefold.config import Config, micro_batches
+from fivefold.parallel.grad_norm import local_tensor, settle_grad_layout
+from fivefold.parallel.pipeline_split import SINGLE_STAGE_SCHEDULES, layers_per_stage, stages_of_rank
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+
+
+class StagePositions:
+    """The RoPE positions every stage of this rank uses for the current step (a stage receives
+    only hidden states, which under sequence parallelism hold a slice of the sequence)."""
+
+    value: torch.Tensor | None = None
+
+
+def build_stage_module(full: nn.Module, layer_ids: list[int], first: bool, last: bool,
+                       positions: StagePositions) -> nn.Module:
+    part = copy.deepcopy(full)
+    for name in list(part.layers.keys()):
+        if int(name) not in layer_ids:
+            del part.layers[name]
+    if not first:
+        part.tok_embeddings = None
+    if not last:
+        part.norm, part.output = None, None
+    forward = part.forward
+    part.forward = lambda x: forward(x, positions.value)
+    return part
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them."""
+
+    def __init__(self, model: nn.Module, cfg: Config, pp_mesh, device: torch.device):
+        p = cfg.parallel
+        self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), p.pp
+        self.n_stages = p.pp * p.pp_virtual
+        self.schedule_name = p.pp_schedule
+        self.positions = StagePositions()
+        layers = layers_per_stage(cfg.model, self.n_stages, p.pp_layers)
+        self.stage_ids = stages_of_rank(self.pp_rank, p.pp, p.pp_virtual, p.pp_schedule)
+        self.parts = [build_stage_module(model, layers[s], s == 0, s == self.n_stages - 1, self.positions)
+                      for s in self.stage_ids]
+        self.tied = bool(cfg.model.tie_embeddings)
+        self.device = device
+        self.has_first, self.has_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
+        self.busy_s = 0.0
+        self.n_micro = 0
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """This rank's copies of the tied embedding matrix: the first stage's embedding and the
+        last stage's output weight, separate parameters even when both stages run here (a shared
+        one would have its gradient scaled once per stage by the schedule)."""
+        if not self.tied:
+            return []
+        copies = []
+        if self.has_first:
+            copies.append(self.parts[self.stage_ids.index(0)].tok_embeddings.weight)
+        if self.has_last:
+            copies.append(self.parts[self.stage_ids.index(self.n_stages - 1)].output.weight)
+        return copies
+
+    def tied_group_members(self) -> tuple[int, int]:
+        """pp ranks of the first and the last stage (different ranks when tied_copy() is not None)."""
+        from fivefold.parallel.pipeline_split import stage_to_rank
+
+        return (stage_to_rank(0, self.pp, self.schedule_name),
+                stage_to_rank(self.n_stages - 1, self.pp, self.schedule_name))
+
+    def build_schedule(self, cfg: Config, loss_fn) -> None:
+        self.n_micro = micro_batches(cfg)
+        stages = [PipelineStage(part, s, self.n_stages, self.device, group=self.pp_group)
+                  for part, s in zip(self.parts, self.stage_ids)]
+        for stage in stages:
+            self._time_compute(stage)
+        cls = SCHEDULES[self.schedule_name]
+        target = stages[0] if self.schedule_name in SINGLE_STAGE_SCHEDULES else stages
+        # Each micro-batch's loss is divided by their number before its backward, exactly as in
+        # the non-pipelined gradient accumulation, instead of scaling the summed gradients after
+        # (scale_grads): the same floating-point operations, so the same weights to the last bit
+        # wherever the accumulation order is the same.
+        n_micro = self.n_micro
+        self.schedule = cls(target, n_microbatches=n_micro, loss_fn=lambda out, y: loss_fn(out, y) / n_micro,
+                            scale_grads=False)
+
+    def _time_compute(self, stage) -> None:
+        """Wrap the stage's compute actions with a clock: busy time per step, for the bubble."""
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            method = getattr(stage, name, None)
+            if method is None:
+                continue
+
+            def timed(*args, _method=method, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    self.busy_s += time.perf_counter() - start
+            setattr(stage, name, timed)
+
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step of the schedule; returns the step loss (sum of the scaled micro-batch losses) on every pp rank."""
+        self.positions.value = positions
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        return self._reduce_loss(losses, inputs.device)
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Forward only through the pipeline; the loss (sum of the scaled micro-batch losses) on every pp rank."""
+        self.positions.value = positions
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        self.schedule.eval(*args, **kwargs)
+        return self._reduce_loss(losses, inputs.device)
+
+    def take_bubble(self, step_time_s: float) -> float:
+        """Measured idle share of the pipeline ranks in the last step: 1 - busy / step time,
+        averaged over the pp ranks (busy = time inside the stages' forward/backward actions)."""
+        busy = torch.tensor([self.busy_s], dtype=torch.float64)
+        dist.all_reduce(busy, group=self.pp_group)
+        self.busy_s = 0.0
+        return max(0.0, 1.0 - busy.item() / (self.pp * step_time_s))
+
+    def _reduce_loss(self, losses: list[torch.Tensor], device) -> torch.Tensor:
+        loss = torch.stack([local_tensor(l.detach()) for l in losses]).sum() if self.has_last \
+            else torch.zeros((), device=device)
+        # Only the last stage knows the loss; every rank reports it.
+        dist.all_reduce(loss, group=self.pp_group)
+        return loss
+
+    def sum_tied_grads(self, group) -> None:
+        """Give every copy of the tied matrix the sum of all copies' gradients (same shard layout
+        on every copy), so the copies receive identical updates and stay equal."""
+        copies = [p for p in self.tied_copies() if p.grad is not None]
+        if not copies:
+            return
+        for param in copies:
+            settle_grad_layout(param)  # e.g. a vocab-parallel gradient left whole by the schedule
+        total = local_tensor(copies[0].grad).clone()
+        for param in copies[1:]:
+            total += local_tensor(param.grad)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        for param in copies:
+            local_tensor(param.grad).copy_(total)

@@ -1,0 +1,128 @@
+"""Ring attention (ours) over the load-balanced sequence layout of parallel/context.py.
+
+Each cp rank holds two chunks of every sequence, chunk r and chunk 2·cp−1−r (of 2·cp), so its local
+sequence is [early half | late half] and positions rise along it. K/V blocks travel around the ring
+(rank r sends to r+1) with their own grouped-query head count, the next block's transfer running
+while the current block is attended. Against the block that started on rank `src`:
+
+  src == rank  the local causal block (positions rise along the local sequence);
+  src <  rank  every query sees the block's early half; its late half is in every query's future;
+  src >  rank  only the late-half queries see anything, and they see the whole block.
+
+So each step but the first is exactly half a square of work, on every rank: fully masked quarters
+are never computed. Partial results merge exactly with the log-sum-exp rule.
+
+Backward runs the ring again: K/V travel as in forward and, one step behind, the gradient of each
+K/V block travels with it, each rank adding its part; after cp steps it is back at its owner.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fivefold.parallel.attention_blocks import block_backward, block_forward, merge_rows
+
+_KV_TAG, _GRAD_TAG = 0, 1  # gloo matches messages by tag; NCCL by issue order (the same on all ranks)
+
+
+class InFlight:
+    """A posted send/receive pair; `wait()` returns the received tensor. Waits end or raise at the
+    process group's timeout."""
+
+    def __init__(self, works, received: torch.Tensor):
+        self.works, self.received = works, received
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+class Ring:
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def pass_along(self, tensor: torch.Tensor, tag: int) -> InFlight:
+        """Send `tensor` to the next rank and receive the previous rank's, without waiting."""
+        received = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, group=self.group, group_peer=self.next, tag=tag),
+               dist.P2POp(dist.irecv, received, group=self.group, group_peer=self.prev, tag=tag)]
+        return InFlight(dist.batch_isend_irecv(ops), received)
+
+
+def ring_block(rank: int, src: int, half: int) -> tuple[slice, slice, bool]:
+    """(query rows, key columns, causal) of this rank's work against the K/V block of rank `src`."""
+    if src == rank:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+def ring_forward(q, k, v, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in q's dtype, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence."""
+    ring = Ring(group)
+    scale = q.shape[-1] ** -0.5
+    half = q.shape[2] // 2
+    kv = torch.stack((k, v)).contiguous()  # one message per step
+    out = lse = None
+    for step in range(ring.size):
+        incoming = ring.pass_along(kv, _KV_TAG) if step < ring.size - 1 else None
+        rows, cols, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, half)
+        block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                             causal, scale)
+        if out is None:  # step 0, the local causal block, covers every row
+            out, lse = block_out, block_lse
+        else:
+            merge_rows(out, lse, rows, block_out, block_lse)
+        if incoming is not None:
+            kv = incoming.wait()
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, group):
+    """(dq, dk, dv) of this rank's q, k, v, given the final output and LSE of its queries."""
+    ring = Ring(group)
+    scale = q.shape[-1] ** -0.5
+    half = q.shape[2] // 2
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack((k, v)).contiguous()
+    grads_in_flight = None
+    for step in range(ring.size):
+        incoming = ring.pass_along(kv, _KV_TAG) if step < ring.size - 1 else None
+        rows, cols, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, half)
+        dq_block, dk_block, dv_block = block_backward(
+            dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+            out[:, :, rows], lse[:, :, rows], causal, scale)
+        dq[:, :, rows] += dq_block
+        # fp32 on the wire: the sum over cp ranks is an accumulation like dq's.
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        dkv[0][:, :, cols] = dk_block
+        dkv[1][:, :, cols] = dv_block
+        if grads_in_flight is not None:  # the previous ranks' part for this same block
+            dkv += grads_in_flight.wait()
+        grads_in_flight = ring.pass_along(dkv, _GRAD_TAG)
+        if incoming is not None:
+            kv = incoming.wait()
+    dkv = grads_in_flight.wait()  # this rank's own block, with every rank's part
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        out, lse = ring_forward(q, k, v, group)
+        ctx.group = group
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return *ring_backward(dout, *ctx.saved_tensors, ctx.group), None
+
+
+def ring_attention(q, k, v, group) -> torch.Tensor:
+    return RingAttention.apply(q, k, v, group)

@@ -1,0 +1,109 @@
+"""Context parallelism in training: every layout equals the single-process run (losses, gradient
+norms, final weights within 1e-5, fp32, 6 steps); bad cp settings get one sentence."""
+
+import pytest
+
+from layouts import assert_same_run, reference, run_layouts, tiny_config
+from ranks import run_on_ranks
+
+from fivefold.config import ConfigError
+from fivefold.validate import validate
+
+CP2_LAYOUTS = [
+    {"parallel": {"cp": 2}},  # dp=1: gradients must still be averaged over the two cp ranks
+    {"parallel": {"cp": 2, "cp_method": "allgather"}},
+    {"parallel": {"cp": 2, "cp_method": "ulysses"}},
+    {"parallel": {"cp": 2}, "train": {"micro_batch": 2, "recompute": "selective"}},
+    {"parallel": {"cp": 2, "cp_method": "allgather"}, "train": {"recompute": "full"}},
+]
+FOUR_RANK_LAYOUTS = [
+    {"parallel": {"cp": 4}},
+    {"parallel": {"cp": 2, "tp": 2}},
+    {"parallel": {"cp": 2, "dp": 2, "zero": 1}},
+    {"parallel": {"cp": 2, "dp": 2, "zero": 3}},
+    {"parallel": {"pp": 2, "cp": 2, "pp_schedule": "1f1b"}, "train": {"micro_batch": 2}},
+    {"parallel": {"cp": 4, "cp_method": "allgather"}},
+    {"parallel": {"cp": 2, "tp": 2, "cp_method": "ulysses"}},
+]
+BF16 = {"parallel": {"cp": 2, "dp": 2, "zero": 1}, "train": {"dtype": "bf16"}}
+# Zero-bubble schedule: the ring's backward runs in the input-gradient pass. It needs 4 layers
+# (2 ranks x 2 stages), and with 4 layers cp's reassociation noise reaches the weights at ~1.1e-5
+# after 6 AdamW steps with or without a pipeline (cp2 x dp2 too): gradients agree to ~1e-6 of their
+# scale, but AdamW divides each element by its own RMS, so near-zero elements turn that noise
+# into updates of order lr. Losses and gradient norms keep 1e-5; weights get 3e-5.
+PP_ZBV = {"parallel": {"pp": 2, "cp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
+          "train": {"micro_batch": 2}, "model": {"n_layers": 4}}
+
+
+@pytest.fixture(scope="module")
+def cp2_results():
+    return run_on_ranks(2, run_layouts, CP2_LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    return run_on_ranks(4, run_layouts, FOUR_RANK_LAYOUTS + [BF16, PP_ZBV])
+
+
+@pytest.mark.parametrize("index", range(len(CP2_LAYOUTS)))
+def test_cp2(cp2_results, index):
+    layout = CP2_LAYOUTS[index]
+    want = reference(layout)
+    for rank, results in enumerate(cp2_results):
+        assert_same_run(results[index], want, label=f"{layout} rank {rank}")
+
+
+@pytest.mark.parametrize("index", range(len(FOUR_RANK_LAYOUTS)))  # bf16 and zbv are checked apart
+def test_four_ranks(four_rank_results, index):
+    layout = FOUR_RANK_LAYOUTS[index]
+    want = reference(layout)
+    for rank, results in enumerate(four_rank_results):
+        assert_same_run(results[index], want, label=f"{layout} rank {rank}")
+
+
+def test_bf16_cp2_dp2_tracks_fp32(four_rank_results):
+    """bf16 compute, fp32 attention accumulation: within 2% of the fp32 single-process losses."""
+    want = reference({"train": {"dtype": "fp32"}})
+    for rank_results in four_rank_results:
+        got = rank_results[len(FOUR_RANK_LAYOUTS)]
+        for step, (a, b) in enumerate(zip(got.losses, want.losses), 1):
+            assert abs(a - b) <= 0.02 * b, f"step {step}: bf16 {a} vs fp32 {b}"
+        assert got.losses != want.losses  # it really ran in bf16
+
+
+def test_pp2_zbv_cp2(four_rank_results):
+    want = reference(PP_ZBV)
+    for rank, results in enumerate(four_rank_results):
+        assert_same_run(results[-1], want, weight_atol=3e-5, label=f"{PP_ZBV} rank {rank}")
+
+
+CP2_DP2 = FOUR_RANK_LAYOUTS.index({"parallel": {"cp": 2, "dp": 2, "zero": 1}})
+
+
+def test_ring_ledger_counts_the_ring(four_rank_results):
+    """Per layer: K/V sent once forward and once backward, dK/dV (fp32) twice in backward (cp=2).
+    (A layout where the cp group is not also the gradient-reduction group, which the ledger
+    could not tell apart.)"""
+    cfg = tiny_config(FOUR_RANK_LAYOUTS[CP2_DP2])
+    m, t = cfg.model, cfg.train
+    kv_bytes = 2 * (t.global_batch // 2) * m.n_kv_heads * (t.seq_len // 2) * m.head_dim * 4
+    assert four_rank_results[0][CP2_DP2].comm["cp"] == m.n_layers * 4 * kv_bytes
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel": {"cp": 2}, "train": {"seq_len": 30}},
+     "train.seq_len=30 is not divisible by 2*parallel.cp=4"),
+    ({"parallel": {"cp": 4, "tp": 2, "cp_method": "ulysses"}},
+     "parallel.cp_method='ulysses' splits the 2 heads per tensor-parallel rank"),
+    ({"parallel": {"cp": 2, "cp_method": "zigzag"}},
+     "parallel.cp_method='zigzag' is not one of ring, allgather, ulysses"),
+])
+def test_bad_cp_settings_get_one_sentence(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate(tiny_config(overrides))
+    assert str(error.value).startswith(message), str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_ulysses_with_divisible_heads_is_accepted():
+    validate(tiny_config({"parallel": {"cp": 4, "cp_method": "ulysses"}}))

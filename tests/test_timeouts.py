@@ -1,0 +1,33 @@
+"""A rank that stops answering ends the job with an error, never a hang."""
+
+import time
+
+import pytest
+
+from ranks import run_on_ranks
+
+
+def _one_rank_goes_silent():
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.config import ParallelConfig
+    from fivefold.mesh import ParallelDims
+
+    meshes = ParallelDims.from_config(ParallelConfig(dp=2)).build_mesh("cpu")
+    if dist.get_rank() == 1:
+        time.sleep(40)  # alive but silent: no error from the network, only the timeout can end it
+        return "slept"
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4), group=meshes["dp_cp"].get_group())  # a sub-mesh group
+    except RuntimeError as err:
+        return ("error", time.monotonic() - start, str(err)[:200])
+    return ("no error", time.monotonic() - start, "")
+
+
+def test_collective_on_a_mesh_group_times_out():
+    results = run_on_ranks(2, _one_rank_goes_silent, timeout_s=120, collective_timeout_s=5)
+    outcome, waited, message = results[0]
+    assert outcome == "error", message
+    assert waited < 30, f"took {waited:.0f}s: the mesh group did not inherit the 5 s timeout"
