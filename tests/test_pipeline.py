@@ -139,10 +139,10 @@ def test_schedule_picture_refuses_bad_layout(tmp_path, capsys):
 def test_balanced_split_counts_the_output_layer():
     """The last stage carries the output projection: with a large vocabulary it gets fewer layers."""
     from fivefold.config import load_config
-    from fivefold.parallel.pipeline_split import balanced_layer_counts
+    from fivefold.parallel.pipeline_split import balanced_layer_counts, stage_costs
 
     small_vocab = load_config(None, {"model": {"n_layers": 8}}).model
-    assert balanced_layer_counts(small_vocab, 2) == [4, 4]
+    assert balanced_layer_counts(*stage_costs(small_vocab, 128), 2) == [4, 4]
     big_vocab = load_config(None, {"model": {"preset": "llama3-1b"}}).model  # 16 layers, 128k vocab
-    counts = balanced_layer_counts(big_vocab, 4)
+    counts = balanced_layer_counts(*stage_costs(big_vocab, 4096), 4)
     assert sum(counts) == 16 and counts[-1] < counts[0]

@@ -16,7 +16,8 @@ from fivefold.plan.layout import Layout, parse_layout
 from fivefold.plan.memory import (layer_activation_elements, model_state_bytes, rank_memory,
                                   rank_param_counts, worst_rank_memory)
 from fivefold.plan.model_stats import model_stats
-from fivefold.plan.schedule import (balanced_split, bubble_fraction, in_flight_chunks,
+from fivefold.parallel.pipeline_split import balanced_layer_counts
+from fivefold.plan.schedule import (bubble_fraction, in_flight_chunks,
                                     pipeline_ranks)
 from fivefold.plan.workload import PRECISIONS, workload_from_config
 
@@ -75,7 +76,8 @@ def test_model_state_bytes_by_zero_stage():
     got = {z: model_state_bytes(w, Layout(dp=8, zero=z), n, 0.0) for z in range(4)}
     # fivefold bf16: fp32 weights 4, fp32 grads 4, Adam 8; ZeRO-1/2 add a 4-byte fp32 master chunk
     assert got[0] == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
-    assert got[1] == {"params": 4 * n, "grads": 4 * n, "optimizer": 12 * n / 8}
+    # ZeRO-1 also holds its reduced fp32 gradient chunk beside the whole gradients
+    assert got[1] == {"params": 4 * n, "grads": 4 * n + 4 * n / 8, "optimizer": 12 * n / 8}
     assert got[2] == {"params": 4 * n, "grads": 4 * n / 8, "optimizer": 12 * n / 8}
     assert got[3] == {"params": 4 * n / 8, "grads": 4 * n / 8, "optimizer": 8 * n / 8}
     hsdp = model_state_bytes(w, Layout(dp=8, zero=3, dp_shard=4), n, 0.0)
@@ -161,9 +163,10 @@ def test_bubble_fractions():
 
 
 def test_balanced_split_gives_the_output_rank_fewer_layers():
-    sizes = balanced_split(tuple([1.0] * 16), 3.2, 8)
+    sizes = balanced_layer_counts([1.0] * 16, 3.2, 8)
     assert sum(sizes) == 16 and min(sizes) >= 1 and len(sizes) == 8
     assert sizes[-1] == 1  # the output projection is worth ~3 layers
+    assert max(sizes[:-1]) == 3  # the cheapest most-expensive stage: 16 layers, 4.2 on the last
 
 
 def test_explicit_pp_layers_must_add_up():
@@ -203,7 +206,10 @@ def test_dp_bytes_by_zero_stage():
     n, m = w.stats.total_params, 8
     assert dp_bytes(0) == pytest.approx(2 * 7 / 8 * 4 * n, rel=1e-6)  # fp32 all-reduce
     assert dp_bytes(1) == pytest.approx(7 / 8 * (4 * n + 4 * n), rel=1e-6)
-    assert dp_bytes(3) == pytest.approx(m * 7 / 8 * (4 * n + 2 * 4 * n), rel=1e-6)
+    # zero 3: gradients reduce-scattered once per step; every micro-batch gathers all weights in
+    # forward and the blocks' again in backward (the root unit -- embedding, norm -- stays gathered).
+    root = w.stats.vocab_size * w.stats.dim + w.stats.dim  # tied 1B: one table + final norm
+    assert dp_bytes(3) == pytest.approx(7 / 8 * (4 * n + m * (4 * n + 4 * (n - root))), rel=1e-6)
 
 
 def test_more_dimensions_report_their_bytes():

@@ -5,6 +5,12 @@ __version__ = "0.1.0"
 
 def load_pretrained(path):
     """The single-device model of a Hugging Face checkpoint folder or a fivefold checkpoint."""
+    from pathlib import Path
+
+    if (Path(path) / "state.json").is_file() or (Path(path) / "latest").is_file():
+        from fivefold.convert import checkpoint_to_model  # a step_N folder or a checkpoint root
+
+        return checkpoint_to_model(path)
     from fivefold.models.hf import load_pretrained as _load
 
     return _load(path)

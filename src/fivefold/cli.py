@@ -8,9 +8,12 @@ import sys
 from fivefold.config import ConfigError, load_config, to_toml, validate
 
 USAGE = """usage:
-  fivefold train [CONFIG] [--nproc N] [--max-restarts K] [--section.key VALUE ...]
+  fivefold train [CONFIG] [--nproc N] [--max-restarts K] [--dry-run] [--section.key VALUE ...]
+  fivefold train [CONFIG] --nproc N --nnodes M --node-rank R --rdzv HOST:PORT [...]   (one per node)
   fivefold config show [CONFIG] [--section.key VALUE ...]
+  fivefold layout [CONFIG] [--nproc N] [--all] [--section.key VALUE ...]   (rank map, no training)
   fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--layout "dp=8,tp=2,..."] [--json]
+  fivefold convert SRC DST   (fivefold checkpoint <-> Hugging Face folder, direction from SRC)
   fivefold viz schedule --schedule 1f1b --pp 4 [--virtual 1] [--micro-batches 8] --out FILE.png
 """
 
@@ -26,11 +29,36 @@ def cmd_train(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fivefold train", add_help=False)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--max-restarts", type=int, default=0)
+    # More than one machine: one launcher per node, meeting at node 0's HOST:PORT (torch's c10d rendezvous).
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--rdzv", default="")
+    parser.add_argument("--rdzv-id", default="fivefold")
+    parser.add_argument("--dry-run", action="store_true")  # validate and print the rank map only
     own, rest = parser.parse_known_args(args)
     config_path, overrides = _split_config(rest)
     from fivefold.train.launch import launch_local, launched_by_torchrun, worker
 
-    if launched_by_torchrun() or own.nproc == 1:
+    if own.nnodes > 1:
+        if not own.rdzv:
+            raise ConfigError("--nnodes > 1 needs --rdzv HOST:PORT, the address of node 0 where the "
+                              "launchers meet")
+        if not 0 <= own.node_rank < own.nnodes:
+            raise ConfigError(f"--node-rank must be between 0 and --nnodes-1={own.nnodes - 1}, got {own.node_rank}")
+        # Each launcher is one node: the rank map and the tp-crossing warning count nodes by it.
+        overrides = [*overrides, "--parallel.gpus_per_node", str(own.nproc)]
+    if own.dry_run:
+        cfg = load_config(config_path, overrides)
+        p = cfg.parallel  # without --nproc: the config's own world, as `fivefold layout` does
+        given = any(a.startswith("--nproc") for a in args)
+        validate(cfg, own.nproc * own.nnodes if given else p.dp * p.tp * p.pp * p.cp)
+        from fivefold.rank_map import format_rank_map
+        from fivefold.validate import check_supported
+
+        check_supported(cfg)
+        print(format_rank_map(cfg))
+        return 0
+    if launched_by_torchrun() or (own.nproc == 1 and own.nnodes == 1):
         cfg = load_config(config_path, overrides)
         from fivefold.runtime import runtime_from_env
 
@@ -40,11 +68,31 @@ def cmd_train(args: list[str]) -> int:
     if own.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {own.nproc}")
     cfg = load_config(config_path, overrides)
-    validate(cfg, own.nproc)  # before any process starts
+    validate(cfg, own.nproc * own.nnodes)  # before any process starts
+    from fivefold.rank_map import format_rank_map
     from fivefold.validate import check_supported
 
     check_supported(cfg)
-    return launch_local(config_path, overrides, own.nproc, own.max_restarts)
+    if own.node_rank == 0:
+        print(format_rank_map(cfg), flush=True)  # which rank holds what, before the first step
+    return launch_local(config_path, overrides, own.nproc, own.max_restarts, own.nnodes, own.node_rank,
+                        own.rdzv, own.rdzv_id)
+
+
+def cmd_layout(args: list[str]) -> int:
+    """The rank map of a config, checked as a launch of --nproc ranks would be, without training."""
+    parser = argparse.ArgumentParser(prog="fivefold layout", add_help=False)
+    parser.add_argument("--nproc", type=int, default=0)  # 0: the config's own dp*tp*pp*cp
+    parser.add_argument("--all", action="store_true")
+    own, rest = parser.parse_known_args(args)
+    config_path, overrides = _split_config(rest)
+    cfg = load_config(config_path, overrides)
+    p = cfg.parallel
+    validate(cfg, own.nproc or p.dp * p.tp * p.pp * p.cp)
+    from fivefold.rank_map import format_rank_map
+
+    print(format_rank_map(cfg, own.all))
+    return 0
 
 
 def cmd_config(args: list[str]) -> int:
@@ -84,7 +132,19 @@ def cmd_viz(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config, "plan": cmd_plan, "viz": cmd_viz}
+def cmd_convert(args: list[str]) -> int:
+    """fivefold checkpoint (any layout) -> Hugging Face folder, or the reverse; direction from SRC."""
+    if len(args) != 2 or any(a.startswith("-") for a in args):
+        raise ConfigError("usage: fivefold convert SRC DST (a fivefold checkpoint and a Hugging Face "
+                          "folder, either way round)")
+    from fivefold.convert import convert
+
+    print(convert(*args))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "layout": cmd_layout, "config": cmd_config, "plan": cmd_plan, "viz": cmd_viz,
+            "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

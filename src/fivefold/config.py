@@ -102,6 +102,7 @@ class TrainConfig:
     compile: bool = False
     eval_every: int = 0  # 0 = no evaluation
     eval_batches: int = 4
+    max_bad_steps: int = 3  # steps in a row with a non-finite loss/grad norm (skipped) before stopping
 
 
 @dataclass
@@ -119,6 +120,19 @@ class CheckpointConfig:
     every: int = 0  # 0 = never
     keep: int = 3
     resume: str = "none"  # none | auto | path
+    async_save: bool = False  # rank 0 writes in a background thread while training continues
+
+
+@dataclass
+class DebugConfig:
+    """Test-only fault injection (step 0 = off). Crashes and hangs fire only in a job's first attempt."""
+    crash_at_step: int = 0  # rank `crash_rank` exits abruptly as step N begins
+    crash_rank: int = 0
+    hang_at_step: int = 0  # rank `crash_rank` stops answering as step N begins (collective timeout)
+    nan_at_step: int = 0  # step N's gradient norm is treated as NaN (exercises the skip path)
+    nan_steps: int = 1  # ... and this many steps from N on
+    slow_save_step: int = 0  # rank 0 pauses half-way through writing this step's checkpoint...
+    slow_save_s: float = 60.0  # ... for this long (a window in which to kill the job mid-save)
 
 
 @dataclass
@@ -149,6 +163,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 

@@ -47,5 +47,19 @@ def init_process_group(rt: Runtime, timeout_s: float) -> None:
     if rt.device.type == "cuda":
         torch.cuda.set_device(rt.device)
     backend = "nccl" if rt.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=rt.device if backend == "nccl" else None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _restart_store(rt, timeout)
+    dist.init_process_group(backend, timeout=timeout, device_id=rt.device if backend == "nccl" else None,
+                            **({"store": store, "rank": rt.rank, "world_size": rt.world_size} if store else {}))
+
+
+def _restart_store(rt: Runtime, timeout: datetime.timedelta):
+    """After a --max-restarts restart the agent's store still holds the dead attempt's addresses
+    under the same keys; a new rank could read a stale one and fail to connect. Give each attempt
+    its own key prefix (None: first attempt, or not under torch elastic's agent store)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rt.world_size,
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"fivefold/attempt_{attempt}", client)

@@ -221,6 +221,7 @@ def _check_checkpoint(cfg: Config) -> None:
              f"checkpoint.resume='{c.resume}' must be none, auto, or an existing checkpoint folder")
     _require(c.every == 0 or c.dir or cfg.log.dir, "checkpoint.every > 0 needs checkpoint.dir or log.dir "
              "to say where checkpoints go")
+    _require(cfg.train.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {cfg.train.max_bad_steps}")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
@@ -250,6 +251,3 @@ def check_supported(cfg: Config) -> None:
         _require(m.moe.capacity_factor == 0 and m.moe.balance != "aux_loss", "MoE with parallel.cp > 1 "
                  "supports dropless routing with balance 'bias' or 'none' for now; set "
                  "model.moe.capacity_factor=0 and model.moe.balance='bias', or parallel.cp=1")
-    _require(cfg.checkpoint.every == 0 and cfg.checkpoint.resume == "none",
-             "checkpointing is not available yet (it lands with issue #8); leave checkpoint.every=0 "
-             "and checkpoint.resume='none'")

@@ -67,6 +67,19 @@ def _sent(rule: str, nbytes: int, n: int) -> float:
     return float(nbytes)
 
 
+_MISSING = object()
+_ENTRIES: dict = {}  # operator overload -> (functional?, which arg, rule), or None: not a collective
+
+
+def _entry(func):
+    namespace, name = func.namespace, func._schema.name.split("::")[-1]
+    if namespace == "c10d" and name in _C10D:
+        return (False, *_C10D[name])
+    if namespace == "_c10d_functional" and name in _FUNCTIONAL:
+        return (True, *_FUNCTIONAL[name])
+    return None
+
+
 class CommLedger(TorchDispatchMode):
     """Use as a context around a step; `take()` returns {dimension: bytes} and starts afresh."""
 
@@ -77,14 +90,19 @@ class CommLedger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        namespace, name = func.namespace, func._schema.name.split("::")[-1]
-        if namespace == "c10d" and name in _C10D:
-            which, rule = _C10D[name]
+        # This runs for every operator of the step; almost none is a collective. One dict lookup
+        # per operator (cached by overload) keeps the ledger's cost per op small.
+        entry = _ENTRIES.get(func, _MISSING)
+        if entry is _MISSING:
+            entry = _ENTRIES[func] = _entry(func)
+        if entry is None:
+            return out
+        functional, which, rule = entry
+        if not functional:
             group = next((g for g in map(_group_of, args) if g is not None), None)
             if group is not None:
                 self._add(group[0], _sent(rule, _nbytes(args[which]), group[1]))
-        elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
-            which, rule = _FUNCTIONAL[name]
+        else:
             group_name = next(a for a in reversed(args) if isinstance(a, str))
             self._add(group_name, _sent(rule, _nbytes(args[which]), _functional_group_size(group_name)))
         return out

@@ -167,6 +167,10 @@ class ReplicatedDataParallel(DataParallel):
 
     def finish_grads(self) -> None:
         for bucket in self.buckets[self._next_bucket:]:
+            # A pipeline's backward runs outside grad_sync, so no hook has settled these gradients:
+            # sum a sequence-parallel norm weight's tp partials before it is packed and reduced.
+            for param in bucket.params:
+                settle_grad_layout(param)
             bucket.mark_all_ready()  # parameters that received no gradient still take part
         self._launch_ready_buckets()
         super().finish_grads()

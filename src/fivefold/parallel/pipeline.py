@@ -69,7 +69,7 @@ class Pipeline:
         self.n_stages = p.pp * p.pp_virtual
         self.schedule_name = p.pp_schedule
         self.positions = StagePositions()
-        layers = layers_per_stage(cfg.model, self.n_stages, p.pp_layers)
+        layers = layers_per_stage(cfg.model, self.n_stages, p.pp_layers, cfg.train.seq_len)
         self.stage_ids = stages_of_rank(self.pp_rank, p.pp, p.pp_virtual, p.pp_schedule)
         self.parts = [build_stage_module(model, layers[s], s == 0, s == self.n_stages - 1, self.positions)
                       for s in self.stage_ids]

@@ -24,54 +24,49 @@ def stages_of_rank(rank: int, pp: int, virtual: int, schedule: str) -> list[int]
     return [s for s in range(pp * virtual) if stage_to_rank(s, pp, schedule) == rank]
 
 
-def layer_cost(cfg: ModelConfig) -> float:
-    """Matmul parameters of one transformer block (proportional to its FLOPs per token)."""
-    kv_dim = cfg.n_kv_heads * cfg.head_dim
-    return 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim + 3 * cfg.dim * cfg.ffn_dim
+def stage_costs(model: ModelConfig, seq_len: int) -> tuple[list[float], float]:
+    """FLOPs per token of each layer (MoE layers: the experts a token visits; attention grows with
+    the sequence) and of the output layer. This is the planner's cost model, so training cuts the
+    model exactly where the planner's predictions assume."""
+    from fivefold.plan.model_stats import model_stats  # pure arithmetic on the config
+
+    stats = model_stats(model)
+    return ([stats.layer_flops_per_token(i, seq_len) for i in range(model.n_layers)],
+            stats.output_flops_per_token)
 
 
-def output_cost(cfg: ModelConfig) -> float:
-    """The output projection (and, folded in, the loss) runs on the last stage."""
-    return cfg.dim * cfg.vocab_size
-
-
-def balanced_layer_counts(cfg: ModelConfig, n_stages: int) -> list[int]:
-    """Contiguous layer counts per stage minimising the most expensive stage, the last stage also
-    carrying the output layer (the embedding lookup costs next to nothing). Every stage gets at
-    least one layer."""
-    layer, last_extra = layer_cost(cfg), output_cost(cfg)
-    n_layers = cfg.n_layers
-
-    def stages_needed(limit: float) -> int | None:
-        # Greedy from the end: the last stage has the output layer's cost on top of its layers.
-        counts, remaining = [], n_layers
-        for stage in reversed(range(n_stages)):
-            budget = limit - (last_extra if stage == n_stages - 1 else 0)
-            fit = int(budget // layer)
-            take = min(max(1, fit), remaining - stage)  # leave one layer for each earlier stage
-            if take < 1 or take * layer + (last_extra if stage == n_stages - 1 else 0) > limit + 1e-9:
-                return None
-            counts.append(take)
-            remaining -= take
-        return counts[::-1] if remaining == 0 else None
-
-    # The best limit is one of the finitely many stage costs: k layers (+ output on the last stage).
-    candidates = sorted({k * layer for k in range(1, n_layers + 1)}
-                        | {k * layer + last_extra for k in range(1, n_layers + 1)})
-    for limit in candidates:
-        counts = stages_needed(limit)
-        if counts is not None:
-            return counts
-    raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
+def balanced_layer_counts(costs: list[float], head: float, n_stages: int) -> list[int]:
+    """Contiguous layer counts per stage, the last stage also carrying `head` (the output layer,
+    the most expensive single block of a large-vocabulary model; the embedding lookup costs next
+    to nothing). Each stage takes layers until it reaches an even share of what is left, rounding
+    to the nearest layer, and leaves at least one layer for every later stage."""
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {n_stages} stages")
+    remaining = sum(costs) + head
+    counts, i = [], 0
+    for stage in range(n_stages - 1):
+        share = remaining / (n_stages - stage)
+        last_allowed = n - (n_stages - stage - 1)
+        taken, count = 0.0, 0
+        while i < last_allowed and (count == 0 or taken + costs[i] / 2 <= share):
+            taken += costs[i]
+            count += 1
+            i += 1
+        counts.append(count)
+        remaining -= taken
+    counts.append(n - i)
+    return counts
 
 
 def parse_layer_counts(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-def layers_per_stage(cfg: ModelConfig, n_stages: int, pp_layers: str) -> list[list[int]]:
+def layers_per_stage(cfg: ModelConfig, n_stages: int, pp_layers: str, seq_len: int) -> list[list[int]]:
     """Layer indices of each stage, from `parallel.pp_layers` or the balanced split."""
-    counts = parse_layer_counts(pp_layers) if pp_layers else balanced_layer_counts(cfg, n_stages)
+    counts = parse_layer_counts(pp_layers) if pp_layers else balanced_layer_counts(
+        *stage_costs(cfg, seq_len), n_stages)
     out, start = [], 0
     for count in counts:
         out.append(list(range(start, start + count)))

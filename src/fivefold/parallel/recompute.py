@@ -12,8 +12,7 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                    noop_context_fn)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _SAVE = {
     torch.ops.aten.mm.default,
@@ -29,19 +28,26 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context():
-    return create_selective_checkpoint_contexts(_selective_policy)
-
-
-def _recomputed(forward, context_fn, *args, **kwargs):
+# One wrapper per mode. torch.compile of a block (train.compile) traces through them, and dynamo
+# (torch 2.13) accepts checkpoint()'s context_fn only when it is absent or a functools.partial built
+# inside the traced code; a function passed in otherwise fails with "checkpoint not implemented for
+# LazyVariableTracker context_fn".
+def _recomputed_full(forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _recomputed_selective(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def apply_recompute(blocks: nn.ModuleDict, mode: str) -> None:
     if mode == "none":
         return
-    context_fn = _selective_context if mode == "selective" else noop_context_fn
+    wrapper = _recomputed_selective if mode == "selective" else _recomputed_full
     for block in blocks.values():
-        block.forward = functools.partial(_recomputed, block.forward, context_fn)
+        block.forward = functools.partial(wrapper, block.forward)

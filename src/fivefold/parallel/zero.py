@@ -106,6 +106,10 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def _flush(self) -> None:
         for bucket in self.buckets[self._next_bucket:]:
+            # A pipeline's backward runs outside grad_sync, so no hook has settled these gradients:
+            # sum a sequence-parallel norm weight's tp partials before it is packed and reduced.
+            for param in bucket.params:
+                settle_grad_layout(param)
             bucket.mark_all_ready()
         self._launch_ready_buckets()
         self._complete_pending()

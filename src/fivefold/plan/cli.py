@@ -22,13 +22,16 @@ from fivefold.validate import validate
 
 USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--cluster.gpus_per_node 8]
                      [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]
-                     [--layouts FILE.jsonl] [--json] [--plot FILE.png] [--top K] [--section.key value ...]
+                     [--layouts FILE.jsonl] [--json] [--plot FILE.png] [--top K] [--sweep K]
+                     [--section.key value ...]
 
 Without --layout, searches the layouts of --cluster.gpus GPUs and ranks them by predicted
 tokens/s per GPU; with --layout (or --layouts, one JSON object per line) evaluates those.
+--sweep K then trains the first K candidates for a few steps on local ranks (this machine) and
+prints measured against predicted tokens/s and memory (use --cluster.gpu cpu on a laptop).
 GPUs: """ + ", ".join(PROFILES)
 
-VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top")
+VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top", "--sweep")
 GB = 1e9
 
 
@@ -77,7 +80,7 @@ def _parse_args(argv: list[str]) -> tuple[str | None, dict, list[str]]:
 
 def _example(flag: str) -> str:
     return {"--layout": '"dp=8,tp=2"', "--layouts": "layouts.jsonl", "--plot": "memory.png",
-            "--top": "5"}[flag]
+            "--top": "5", "--sweep": "2"}[flag]
 
 
 def _planning_config(cfg: Config) -> Config:
@@ -91,6 +94,16 @@ def _check_nodes(gpus: int, gpus_per_node: int, what: str) -> None:
     if gpus > gpus_per_node and gpus % gpus_per_node:
         raise PlanError(f"{what} of {gpus} GPUs is not a whole number of {gpus_per_node}-GPU nodes; "
                         f"use a multiple of {gpus_per_node} or set --cluster.gpus_per_node")
+
+
+def _count(flags: dict, name: str) -> int:
+    try:
+        value = int(flags[name])
+    except ValueError:
+        raise PlanError(f"--{name} must be a whole number, got '{flags[name]}'") from None
+    if value < 1:
+        raise PlanError(f"--{name} must be at least 1, got {value}")
+    return value
 
 
 def _top(flags: dict) -> int:
@@ -130,7 +143,9 @@ def _plan(argv: list[str]) -> int:
     if "layout" in flags and "layouts" in flags:
         raise PlanError("give either --layout or --layouts, not both")
     top = _top(flags)
-    cfg = _planning_config(load_config(config, overrides))
+    sweep = _count(flags, "sweep") if "sweep" in flags else 0
+    train_cfg = load_config(config, overrides)
+    cfg = _planning_config(train_cfg)
     validate(cfg)
     try:
         hw = hardware_from_cluster(cfg.cluster)
@@ -189,6 +204,12 @@ def _plan(argv: list[str]) -> int:
         plot_memory(candidates, flags["plot"], hw.memory_bytes, title)
         if not flags["json"]:
             print(f"memory plot written to {flags['plot']}")
+    if sweep:
+        from fivefold.plan.sweep import sweep_table
+
+        print(f"\nmeasured on this machine ({sweep} layouts, a few steps each):", file=sys.stderr)
+        print(sweep_table(train_cfg, [c for c in candidates if c.fits][:sweep]),
+              file=sys.stderr if flags["json"] else sys.stdout)
     return 0
 
 

@@ -17,7 +17,7 @@ from fivefold.plan import comm
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_activation_elements,
-                                  rank_param_counts, worst_rank_memory)
+                                  rank_param_counts, root_params, worst_rank_memory)
 from fivefold.plan.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
                                     pipeline_ranks)
 from fivefold.plan.workload import Workload
@@ -112,7 +112,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
 
 
 def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime, dense: float,
-             experts: float, m: int) -> tuple[float, float, float]:
+             experts: float, m: int, root: float = 0.0) -> tuple[float, float, float]:
     """(bytes, overlappable seconds, exposed-anyway seconds) of data-parallel traffic per step.
 
     ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters them once and all-gathers
@@ -126,7 +126,8 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     replicas = layout.dp // (layout.dp_shard or layout.dp)
     replica_link = comm.Link(replicas, replicas if group.intra_node else 1)
     total_bytes = hidden = exposed = 0.0
-    for params, n in ((dense, layout.shard_degree), (experts, expert_shard_degree(layout))):
+    for params, n, unit_root in ((dense, layout.shard_degree, root),
+                                 (experts, expert_shard_degree(layout), 0.0)):
         if params <= 0:
             continue
         link = comm.Link(n, min(group.per_node, n))
@@ -140,7 +141,11 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
             hidden += reductions * comm.gather_time(grads, link, hw, eff)
             exposed += comm.gather_time(weights, link, hw, eff)
         else:
-            total_bytes += m * (n - 1) / n * (grads + 2 * weights)
+            # fivefold's FSDP2 units: every block is gathered in forward and again in backward;
+            # the root unit (embedding, norm, output) stays gathered from forward to backward.
+            # Gradients are reduce-scattered once, after the step's last micro-batch.
+            regathered = weights - unit_root * pr.param_bytes
+            total_bytes += (n - 1) / n * (grads + m * (weights + regathered))
             hidden += m * (comm.gather_time(grads, link, hw, eff)
                            + 2 * comm.gather_time(weights, link, hw, eff))
         if replicas > 1 and layout.zero > 0:
@@ -172,8 +177,10 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     pipe_time = (m + slots) * t_mb
 
     # Data parallelism and the optimizer step, on the rank with the most parameters.
-    dense, experts = max((rank_param_counts(stats, layout, p) for p in ranks), key=sum)
-    dp_bytes, dp_hidden, dp_exposed = _dp_time(workload, layout, hw, runtime, dense, experts, m)
+    heaviest = max(ranks, key=lambda p: sum(rank_param_counts(stats, layout, p)))
+    dense, experts = rank_param_counts(stats, layout, heaviest)
+    dp_bytes, dp_hidden, dp_exposed = _dp_time(workload, layout, hw, runtime, dense, experts, m,
+                                               root_params(stats, layout, heaviest))
     if layout.zero >= 3:  # FSDP prefetches under every micro-batch's compute
         window = m * worst["compute"]
     elif layout.zero == 2:  # a reduce-scatter under every micro-batch's backward

@@ -71,15 +71,19 @@ def rank_param_counts(stats: ModelStats, layout: Layout, prank: PipelineRank) ->
         d, e = layer_param_counts(stats, layout, layer)
         dense += count * d
         experts += count * e
+    return dense + root_params(stats, layout, prank), experts
+
+
+def root_params(stats: ModelStats, layout: Layout, prank: PipelineRank) -> float:
+    """Parameters outside the transformer blocks on this rank: embedding, final norm, output."""
     table = stats.vocab_size * stats.dim / layout.tp  # vocab-parallel embedding / output projection
-    if prank.has_embedding:
-        dense += table
+    root = table if prank.has_embedding else 0.0
     if prank.has_output:
-        dense += stats.dim  # final norm
+        root += stats.dim  # final norm
         # A tied output projection shares the embedding's storage only on the rank holding both.
         if not (stats.tie_embeddings and prank.has_embedding):
-            dense += table
-    return dense, experts
+            root += table
+    return root
 
 
 def expert_shard_degree(layout: Layout) -> int:
@@ -96,9 +100,12 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
     whole = dense + experts
     z = layout.zero
     master = pr.shard_master_bytes if z in (1, 2) else 0
+    # ZeRO-1 keeps the whole gradients until the step and receives its reduced chunk (fp32)
+    # beside them (parallel/zero.py); ZeRO-2's reduced chunks are its only gradients.
+    chunk_grads = pr.shard_master_bytes * sharded if z == 1 else 0  # fp32, like the master chunk
     return {
         "params": pr.param_bytes * (sharded if z >= 3 else whole),
-        "grads": (pr.grad_bytes + pr.accum_bytes) * (sharded if z >= 2 else whole),
+        "grads": (pr.grad_bytes + pr.accum_bytes) * (sharded if z >= 2 else whole) + chunk_grads,
         "optimizer": (pr.optim_bytes + master) * (sharded if z >= 1 else whole),
     }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from fivefold.parallel.pipeline_split import balanced_layer_counts
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
 
@@ -22,7 +23,8 @@ def chunks_per_rank(layout: Layout) -> int:
         return 1
     if layout.pp_schedule in V_SHAPED:
         return 2
-    return layout.pp_virtual if layout.pp_schedule == "interleaved_1f1b" else 1
+    # interleaved_1f1b and zb (torch's interleaved zero-bubble schedule) run pp_virtual stages
+    return layout.pp_virtual if layout.pp_schedule in ("interleaved_1f1b", "zb") else 1
 
 
 @dataclass(frozen=True)
@@ -44,28 +46,6 @@ def _rank(stats: ModelStats, layers: tuple[int, ...], first: bool, last: bool) -
 
 
 @lru_cache(maxsize=4096)
-def balanced_split(costs: tuple[float, ...], head: float, n_chunks: int) -> tuple[int, ...]:
-    """Split layers (with per-layer costs) into n_chunks contiguous chunks of at least one layer;
-    the last chunk also carries `head` (the output projection, the most expensive single block of
-    a large-vocabulary model). Each chunk takes layers until it reaches an even share of what is
-    left, rounding to the nearest layer. Returns chunk sizes."""
-    n = len(costs)
-    remaining = sum(costs) + head
-    sizes, i = [], 0
-    for chunk in range(n_chunks - 1):
-        target = remaining / (n_chunks - chunk)
-        last_allowed = n - (n_chunks - chunk - 1)  # leave a layer for every later chunk
-        acc, count = 0.0, 0
-        while i < last_allowed and (count == 0 or acc + costs[i] / 2 <= target):
-            acc += costs[i]
-            count += 1
-            i += 1
-        sizes.append(count)
-        remaining -= acc
-    sizes.append(n - i)
-    return tuple(sizes)
-
-
 def parse_pp_layers(text: str, n_chunks: int, n_layers: int) -> tuple[int, ...]:
     """'7,9,9,7' -> (7, 9, 9, 7), checked against the chunk count and the model's layers."""
     try:
@@ -96,7 +76,8 @@ def _pipeline_ranks(stats: ModelStats, p: int, v: int, v_shaped: bool, pp_layers
         sizes = parse_pp_layers(pp_layers, n_chunks, stats.n_layers)
     else:
         costs = tuple(stats.layer_flops_per_token(i, seq_len) for i in range(stats.n_layers))
-        sizes = balanced_split(costs, stats.output_flops_per_token, n_chunks)
+        # The trainer's own split (same costs, same algorithm): predictions hold what runs.
+        sizes = tuple(balanced_layer_counts(list(costs), stats.output_flops_per_token, n_chunks))
     bounds, start = [], 0
     for size in sizes:
         bounds.append(tuple(range(start, start + size)))

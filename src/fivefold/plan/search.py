@@ -130,8 +130,9 @@ def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node:
     """Groups of layouts that differ only in ZeRO stage and recomputation."""
     for dp, tp, pp, cp, ep in degree_choices(cfg, workload, gpus, gpus_per_node):
         per_rank = workload.global_batch // dp
+        # Two stages per rank for the schedules that need them (fivefold.validate's rule).
         schedules = [("1f1b", 1)] if pp == 1 else [
-            (s, 2 if s == "interleaved_1f1b" else 1) for s in SEARCH_SCHEDULES]
+            (s, 1 if s == "1f1b" else 2) for s in SEARCH_SCHEDULES]
         for mbs in _powers_of_two_dividing(per_rank, 8):
             for sched, virtual in schedules:
                 base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, pp_schedule=sched,

@@ -15,10 +15,16 @@ def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
     Uniform decay keeps the update elementwise, so a ZeRO shard of any slice of any parameter gets
     exactly the update the whole tensor would (torchtitan makes the same choice).
     """
-    fused = None
+    # One fused kernel for the whole update, on GPU and on CPU alike: on CPU, PyTorch's default
+    # (a Python loop of ~10 ops per parameter) costs 3x the fused kernel (benchmarks/RESULTS.md, "Speed").
+    # Not for DTensor parameters (tensor parallel, FSDP2): DTensor rejects the fused op's plain
+    # step-count tensors ("got mixed torch.Tensor and DTensor"); PyTorch's default is used there.
+    from torch.distributed.tensor import DTensor
+
     params = list(params)
-    if params and params[0].is_cuda:
-        fused = True  # one kernel for the whole update on GPU
+    fused = None
+    if params and params[0].device.type in ("cpu", "cuda") and not any(isinstance(p, DTensor) for p in params):
+        fused = True
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                              weight_decay=cfg.weight_decay, fused=fused)
 

@@ -8,16 +8,19 @@ logged is the mean cross-entropy over every token of the global batch, whatever 
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from fivefold.config import Config, micro_batches
+from fivefold.config import Config, ConfigError, micro_batches
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_model
 from fivefold.parallel.parallelize import Parallelized, parallelize
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
+from fivefold.train import checkpoint, faults
 from fivefold.train.data import GlobalBatchSampler, Split, load_splits, rank_slice
 from fivefold.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from fivefold.train.optim import adamw, lr_scheduler
@@ -83,11 +86,18 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
                            cfg.log.progress)
     writer.note(par.describe())
+    resume_from = checkpoint.resolve(cfg)
+    if resume_from is not None:  # any saving layout: the checkpoint holds whole tensors
+        checkpoint.load(cfg, resume_from, par, optimizer, scheduler, sampler)
+        writer.note(f"resumed from {resume_from}: continuing at step {sampler.step + 1}")
+    bad_steps = 0  # non-finite steps in a row
     result = TrainResult(parallel=par)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
 
     for step in range(sampler.step, t.steps):
+        faults.progress.step = step + 1  # named by the error if a collective times out
+        faults.maybe_crash(cfg, step + 1, rt.rank)
         start = time.perf_counter()
         batch = rank_slice(train_split.windows(sampler.next_indices()), par.dp_rank, cfg.parallel.dp)
         batch = batch.to(rt.device, non_blocking=True)
@@ -96,9 +106,14 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
             loss_sum = par.forward_backward(batch, n_micro, lambda: autocast(cfg, rt.device))
             par.finish_grads()
             grad_norm = par.clip_grad_norm(t.grad_clip)
+            if faults.inject_nan(cfg, step + 1):
+                grad_norm = float("nan")
+            # The global norm is the same number on every rank, so all ranks skip together.
+            finite = math.isfinite(grad_norm)
             if step == t.steps - 1:
                 result.state_bytes = par.state_bytes(optimizer)
-            par.optimizer_step(optimizer)
+            if finite:
+                par.optimizer_step(optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -118,8 +133,30 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
             record["bubble_fraction"] = bubble  # measured: idle share of the pipeline ranks
         if t.eval_every and (step + 1) % t.eval_every == 0 and val_split.num_windows:
             record["val_loss"] = evaluate(par, val_split, cfg, rt.device)
+        if cfg.log.every and (step + 1) % cfg.log.every == 0:
+            slow = faults.straggler(step_time, rt.device)  # a collective: every rank, same steps
+            if slow is not None:
+                record["straggler"] = slow
+                writer.note(f"straggler: rank {slow['rank']} took {slow['step_time_s']:.3f}s for step "
+                            f"{step + 1}, the median rank {slow['median_step_time_s']:.3f}s")
+        if not finite:
+            record["skipped"] = True
+            bad_steps += 1
+            if rt.is_main:
+                print(f"warning: step {step + 1}: non-finite gradient norm (loss {loss_value}); update "
+                      f"skipped ({bad_steps} in a row)", file=sys.stderr, flush=True)
+        else:
+            bad_steps = 0
         result.records.append(record)
         writer.log(record)
+        if bad_steps >= t.max_bad_steps:
+            writer.close()
+            raise ConfigError(f"training stopped at step {step + 1}: the loss or gradient norm was not "
+                              f"finite for {bad_steps} steps in a row (train.max_bad_steps); lower train.lr, "
+                              "check the data, or resume from an earlier checkpoint")
+        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
+            checkpoint.save(cfg, step + 1, par, optimizer, scheduler, sampler, rt.is_main)
+    checkpoint.wait_for_save()  # an asynchronous write finishes before the run returns
     writer.close()
     return result
 

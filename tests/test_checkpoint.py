@@ -1,0 +1,266 @@
+"""Checkpoints reshard across layouts and resume exactly.
+
+One run saves at step 3 of 6 under dp2·zero1 (and an MoE run under dp2·ep2·zero1 with bias
+balancing, whose router buffers must travel too); resumed runs under other layouts must produce
+the uninterrupted run's losses for steps 4-6 (within 1e-5; bit-for-bit under the saving layout)."""
+
+import json
+
+import pytest
+import torch
+
+from layouts import LOSS_RTOL, reference, tiny_config
+from ranks import run_on_ranks
+
+from fivefold.config import ConfigError
+from fivefold.train import checkpoint
+
+MOE = {"moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias"}}
+SAVE = {"parallel": {"dp": 2, "zero": 1}, "train": {"micro_batch": 2}}
+MOE_SAVE = {"model": MOE, "parallel": {"dp": 2, "ep": 2, "zero": 1}}
+TWO_RANK_RESUMES = {"dp2 zero1 (same layout)": {"parallel": {"dp": 2, "zero": 1}, "train": {"micro_batch": 2}},
+                    "cp2": {"parallel": {"cp": 2}}}
+FOUR_RANK_RESUMES = {"tp2 pp2": {"parallel": {"tp": 2, "pp": 2}, "train": {"micro_batch": 2}},
+                     "dp4 zero3": {"parallel": {"dp": 4, "zero": 3}}}
+
+
+def _with(layout: dict, **checkpoint_keys) -> dict:
+    out = {k: dict(v) for k, v in layout.items()}
+    out["checkpoint"] = checkpoint_keys
+    return out
+
+
+def _train(overrides: dict):
+    from fivefold.train.trainer import train
+
+    result = train(tiny_config(overrides))
+    return {"losses": result.losses, "steps": [r["step"] for r in result.records]}
+
+
+def two_ranks(root: str) -> dict:
+    out = {"full": _train(_with(SAVE, dir=f"{root}/dense", every=3))}
+    for label, layout in TWO_RANK_RESUMES.items():
+        out[label] = _train(_with(layout, resume=f"{root}/dense/step_00000003"))
+    out["moe full"] = _train(_with(MOE_SAVE, dir=f"{root}/moe", every=3))
+    out["moe ep1"] = _train(_with({"model": MOE, "parallel": {"dp": 2, "zero": 2}},
+                                  resume=f"{root}/moe/step_00000003"))
+    return out
+
+
+def four_ranks(root: str) -> dict:
+    # These runs save too (step 6), so their gathered weights and AdamW state can be compared.
+    out = {label: _train(_with(layout, resume=f"{root}/dense/step_00000003", dir=f"{root}/{label}", every=3))
+           for label, layout in FOUR_RANK_RESUMES.items()}
+    out["moe ep4"] = _train(_with({"model": MOE, "parallel": {"dp": 4, "ep": 4}},
+                                  resume=f"{root}/moe/step_00000003"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def two(root):
+    return run_on_ranks(2, two_ranks, root)[0]
+
+
+@pytest.fixture(scope="module")
+def four(root, two):  # needs the checkpoints `two` wrote
+    return run_on_ranks(4, four_ranks, root)[0]
+
+
+def _assert_close(got, want, label, rtol=LOSS_RTOL):
+    assert len(got) == len(want), label
+    for a, b in zip(got, want):
+        assert abs(a - b) <= rtol * abs(b), f"{label}: resumed losses {got} != uninterrupted {want}"
+
+
+def test_saving_run_matches_single_process(two):
+    _assert_close(two["full"]["losses"], reference(SAVE).losses, "dp2 zero1 with checkpoints")
+
+
+def test_same_layout_resume_is_bit_for_bit(two):
+    got = two["dp2 zero1 (same layout)"]
+    assert got["steps"] == [4, 5, 6]  # the data stream continues; it does not restart at batch 0
+    assert got["losses"] == two["full"]["losses"][3:]
+
+
+@pytest.mark.parametrize("label", ["cp2"])
+def test_resume_two_rank_layouts(two, label):
+    assert two[label]["steps"] == [4, 5, 6]
+    _assert_close(two[label]["losses"], two["full"]["losses"][3:], label)
+
+
+@pytest.mark.parametrize("label", list(FOUR_RANK_RESUMES))
+def test_resume_four_rank_layouts(four, two, label):
+    assert four[label]["steps"] == [4, 5, 6]
+    _assert_close(four[label]["losses"], two["full"]["losses"][3:], label)
+
+
+@pytest.mark.parametrize("label", list(FOUR_RANK_RESUMES))
+def test_other_layouts_save_the_same_state(four, root, label):
+    """Saving under tp2·pp2 (tied embedding split over stages) and FSDP2 gathers the same whole
+    weights and AdamW moments as dp2·zero1 (tp reassociation: ~1e-4 after AdamW, see test_pipeline)."""
+    from safetensors.torch import load_file
+
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        want = load_file(f"{root}/dense/step_00000006/{file}")
+        got = load_file(f"{root}/{label}/step_00000006/{file}")
+        assert got.keys() == want.keys(), (label, file)
+        for name in want:
+            if not name.startswith("rng/"):
+                torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-3, msg=f"{label} {name}")
+
+
+@pytest.mark.parametrize("where, label", [("two", "moe ep1"), ("four", "moe ep4")])
+def test_moe_resharded_across_ep(two, four, where, label):
+    got = (two if where == "two" else four)[label]
+    assert got["steps"] == [4, 5, 6]
+    _assert_close(got["losses"], two["moe full"]["losses"][3:], label)
+
+
+def test_files_and_keep_last(two, root):
+    dense = f"{root}/dense"
+    assert open(f"{dense}/latest").read().strip() == "step_00000006"
+    state = json.loads(open(f"{dense}/step_00000003/state.json").read())
+    assert state["step"] == 3 and state["sampler"]["step"] == 3
+    assert state["scheduler"]["last_epoch"] == 3
+
+
+def test_keep_last_k_and_stale_tmp_removed(tmp_path):
+    cfg = tiny_config({"train": {"steps": 4}, "checkpoint": {"dir": str(tmp_path), "every": 1, "keep": 2}})
+    (tmp_path / ".tmp-step_00000009-dead").mkdir(parents=True)  # a save killed half-way
+    from fivefold.train.trainer import train
+
+    train(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000003", "step_00000004"]
+
+
+# --- damaged and mismatched checkpoints: one sentence naming the file or tensor -----------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from fivefold.train.trainer import train
+
+    path = tmp_path_factory.mktemp("one")
+    train(tiny_config({"train": {"steps": 2}, "checkpoint": {"dir": str(path), "every": 2}}))
+    return path / "step_00000002"
+
+
+def _resume(path, **model):
+    from fivefold.train.trainer import train
+
+    return train(tiny_config({"train": {"steps": 3}, "model": model, "checkpoint": {"resume": str(path)}}))
+
+
+def test_truncated_file_is_named(saved, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=r"model.safetensors is corrupt or truncated"):
+        _resume(bad)
+
+
+def test_missing_file_is_partial(saved, tmp_path):
+    import shutil
+
+    bad = tmp_path / "partial"
+    shutil.copytree(saved, bad)
+    (bad / "optimizer.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"optimizer.safetensors is missing; the checkpoint is partial"):
+        _resume(bad)
+
+
+def test_shape_mismatch_names_the_tensor(saved):
+    with pytest.raises(ConfigError, match=r"tensor 'tok_embeddings.weight' has shape \[256, 64\] but this "
+                                          r"model expects \[256, 96\]"):
+        _resume(saved, dim=96)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="is not a checkpoint"):
+        _resume(tmp_path)
+
+
+def test_loading_never_unpickles(saved):
+    # Only safetensors and JSON: a pickle planted where a tensor file belongs is refused, not run.
+    assert not any(p.suffix in (".pt", ".pth", ".bin", ".pkl") for p in saved.iterdir())
+    tensors = checkpoint._read_tensors(saved / "model.safetensors")
+    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+
+
+# --- Hugging Face conversion ---------------------------------------------------------------------
+
+def _hf_logits(folder, x):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(x).logits
+
+
+def _our_logits(checkpoint_path, x):
+    from fivefold.convert import checkpoint_to_model
+
+    with torch.no_grad():
+        return checkpoint_to_model(checkpoint_path)(x)
+
+
+def test_export_to_hf_gives_equal_logits(saved, tmp_path):
+    from fivefold.cli import main
+
+    assert main(["convert", str(saved.parent), str(tmp_path / "hf")]) == 0  # root: follows `latest`
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    want = _our_logits(saved, x)
+    assert want.abs().max() > 0.5
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf", x), want, atol=1e-5, rtol=0)
+    import fivefold
+
+    with torch.no_grad():  # the Python API reads a fivefold checkpoint root too
+        torch.testing.assert_close(fivefold.load_pretrained(saved.parent)(x), want, atol=0, rtol=0)
+
+
+def test_hf_import_train_export_round_trip(saved, tmp_path):
+    from layouts import BASE
+
+    from fivefold.config import load_config
+    from fivefold.convert import convert
+    from fivefold.train.trainer import train
+
+    convert(saved, tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "imported")
+    cfg = load_config(tmp_path / "imported" / "config.toml", {
+        "train": {**BASE["train"], "steps": 2}, "data": BASE["data"], "log": BASE["log"],
+        "checkpoint": {"resume": str(tmp_path / "imported"), "dir": str(tmp_path / "run"), "every": 2}})
+    result = train(cfg)
+    assert [r["step"] for r in result.records] == [1, 2]  # weights only: a fresh run from them
+    convert(tmp_path / "run", tmp_path / "hf2")
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    trained = _our_logits(tmp_path / "run", x)
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf2", x), trained, atol=1e-5, rtol=0)
+    assert (trained - _hf_logits(tmp_path / "hf", x)).abs().max() > 1e-3  # it trained from the import
+    # The first step started from the imported weights, not from the seed's initial weights.
+    fresh = train(load_config(tmp_path / "imported" / "config.toml", {
+        "train": {**BASE["train"], "steps": 1}, "data": BASE["data"], "log": BASE["log"]}))
+    assert result.losses[0] != fresh.losses[0]
+
+
+def test_async_save_writes_the_same_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    from fivefold.train.trainer import train
+
+    for mode in ("sync", "async"):
+        train(tiny_config({"train": {"steps": 3}, "checkpoint": {
+            "dir": str(tmp_path / mode), "every": 1, "async_save": mode == "async"}}))
+    for step in (2, 3):
+        for file in ("model.safetensors", "optimizer.safetensors"):
+            a = load_file(tmp_path / "sync" / f"step_0000000{step}" / file)
+            b = load_file(tmp_path / "async" / f"step_0000000{step}" / file)
+            # The process-wide RNG moved on between the two runs (in one process); all else is equal.
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "rng/cpu"), (step, file)
+    assert (tmp_path / "async" / "latest").read_text().strip() == "step_00000003"
