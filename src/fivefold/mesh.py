@@ -19,6 +19,11 @@ import numpy as np
 from fivefold.config import ParallelConfig
 
 
+def crosses_nodes(group: list[int], ranks_per_node: int) -> bool:
+    """Whether a group of global ranks spans more than one node of `ranks_per_node` ranks."""
+    return len({r // ranks_per_node for r in group}) > 1
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int
@@ -92,7 +97,7 @@ class ParallelDims:
         return {name: int(i) for (name, _), i in zip(self.mesh_dims, where)}
 
     def warn_if_tp_crosses_nodes(self, ranks_per_node: int) -> None:
-        crossing = [g for g in self.groups("tp") if len({r // ranks_per_node for r in g}) > 1]
+        crossing = [g for g in self.groups("tp") if crosses_nodes(g, ranks_per_node)]
         if self.tp > 1 and crossing:
             warnings.warn(f"tensor-parallel group {crossing[0]} spans nodes of {ranks_per_node} ranks: "
                           "its all-reduces will cross the slow network; put tp last in parallel.order "

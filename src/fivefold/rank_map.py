@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config import Config
-from fivefold.mesh import ParallelDims
+from fivefold.mesh import ParallelDims, crosses_nodes
 from fivefold.parallel.pipeline_split import layers_per_stage, stages_of_rank
 
 # Long listings are cut (a 1024-rank job has 512 tp groups); `--all` prints everything.
@@ -39,10 +39,6 @@ def rank_groups(dims: ParallelDims) -> dict[str, list[list[int]]]:
     if dims.ep > 1:
         groups["ep"], groups["edp"] = dims.expert_groups()
     return groups
-
-
-def crosses_nodes(group: list[int], gpus_per_node: int) -> bool:
-    return len({r // gpus_per_node for r in group}) > 1
 
 
 def rank_infos(cfg: Config, dims: ParallelDims) -> list[RankInfo]:
