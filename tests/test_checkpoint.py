@@ -5,6 +5,7 @@ balancing, whose router buffers must travel too); resumed runs under other layou
 the uninterrupted run's losses for steps 4-6 (within 1e-5; bit-for-bit under the saving layout)."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -21,11 +22,20 @@ MOE_SAVE = {"model": MOE, "parallel": {"dp": 2, "ep": 2, "zero": 1}}
 TWO_RANK_RESUMES = {"dp2 zero1 (same layout)": {"parallel": {"dp": 2, "zero": 1}, "train": {"micro_batch": 2}},
                     "cp2": {"parallel": {"cp": 2}}}
 FOUR_RANK_RESUMES = {"tp2 pp2": {"parallel": {"tp": 2, "pp": 2}, "train": {"micro_batch": 2}},
-                     "dp4 zero3": {"parallel": {"dp": 4, "zero": 3}}}
+                     "dp4 zero3": {"parallel": {"dp": 4, "zero": 3}},
+                     # V schedule: rank 0 holds the first and the last stage, so both copies of the
+                     # tied embedding (and their moments, inside zero-1 chunks) are on one rank.
+                     "dp2 pp2 zbv zero1": {"parallel": {"dp": 2, "pp": 2, "pp_schedule": "zbv", "pp_virtual": 2,
+                                                        "zero": 1}, "train": {"micro_batch": 1}},
+                     "dp4 hsdp zero2": {"parallel": {"dp": 4, "dp_shard": 2, "zero": 2}},
+                     "dp2 tp2 zero0": {"parallel": {"dp": 2, "tp": 2, "zero": 0}},
+                     "pp2 interleaved cp2": {"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2,
+                                                          "cp": 2}, "train": {"micro_batch": 2}}}
 
 
 def _with(layout: dict, **checkpoint_keys) -> dict:
     out = {k: dict(v) for k, v in layout.items()}
+    out["model"] = {"n_layers": 4, **out.get("model", {})}  # four stages for the V and interleaved schedules
     out["checkpoint"] = checkpoint_keys
     return out
 
@@ -41,7 +51,8 @@ def two_ranks(root: str) -> dict:
     out = {"full": _train(_with(SAVE, dir=f"{root}/dense", every=3))}
     for label, layout in TWO_RANK_RESUMES.items():
         out[label] = _train(_with(layout, resume=f"{root}/dense/step_00000003"))
-    out["moe full"] = _train(_with(MOE_SAVE, dir=f"{root}/moe", every=3))
+    # Asynchronous: the ranks' writer threads meet in a process group of their own.
+    out["moe full"] = _train(_with(MOE_SAVE, dir=f"{root}/moe", every=3, async_save=True))
     out["moe ep1"] = _train(_with({"model": MOE, "parallel": {"dp": 2, "zero": 2}},
                                   resume=f"{root}/moe/step_00000003"))
     return out
@@ -53,6 +64,10 @@ def four_ranks(root: str) -> dict:
            for label, layout in FOUR_RANK_RESUMES.items()}
     out["moe ep4"] = _train(_with({"model": MOE, "parallel": {"dp": 4, "ep": 4}},
                                   resume=f"{root}/moe/step_00000003"))
+    out["moe dp2 tp2 ep2 zero2"] = _train(_with({"model": MOE, "parallel": {"dp": 2, "tp": 2, "ep": 2, "zero": 2}},
+                                                resume=f"{root}/moe/step_00000003"))
+    out["moe dp4 ep2 zero3"] = _train(_with({"model": MOE, "parallel": {"dp": 4, "ep": 2, "zero": 3}},
+                                            resume=f"{root}/moe/step_00000003"))
     return out
 
 
@@ -78,7 +93,7 @@ def _assert_close(got, want, label, rtol=LOSS_RTOL):
 
 
 def test_saving_run_matches_single_process(two):
-    _assert_close(two["full"]["losses"], reference(SAVE).losses, "dp2 zero1 with checkpoints")
+    _assert_close(two["full"]["losses"], reference(_with(SAVE)).losses, "dp2 zero1 with checkpoints")
 
 
 def test_same_layout_resume_is_bit_for_bit(two):
@@ -101,20 +116,32 @@ def test_resume_four_rank_layouts(four, two, label):
 
 @pytest.mark.parametrize("label", list(FOUR_RANK_RESUMES))
 def test_other_layouts_save_the_same_state(four, root, label):
-    """Saving under tp2·pp2 (tied embedding split over stages) and FSDP2 gathers the same whole
+    """Saving under tp2·pp2 (tied embedding split over stages) and FSDP2 writes the same whole
     weights and AdamW moments as dp2·zero1 (tp reassociation: ~1e-4 after AdamW, see test_pipeline)."""
-    from safetensors.torch import load_file
-
-    for file in ("model.safetensors", "optimizer.safetensors"):
-        want = load_file(f"{root}/dense/step_00000006/{file}")
-        got = load_file(f"{root}/{label}/step_00000006/{file}")
-        assert got.keys() == want.keys(), (label, file)
-        for name in want:
-            if not name.startswith("rng/"):
-                torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-3, msg=f"{label} {name}")
+    want = checkpoint.read_tensors(f"{root}/dense/step_00000006", prefix="")
+    got = checkpoint.read_tensors(f"{root}/{label}/step_00000006", prefix="")
+    weights = {k for k in want if not k.startswith("rng/")}
+    assert {k for k in got if not k.startswith("rng/")} == weights, label
+    assert any(k.startswith("exp_avg_sq/") for k in weights)
+    for name in weights:
+        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-3, msg=f"{label} {name}")
 
 
-@pytest.mark.parametrize("where, label", [("two", "moe ep1"), ("four", "moe ep4")])
+def test_each_rank_writes_only_its_pieces(four, root):
+    """A sharded checkpoint: four ranks under tp2·pp2 each write a file, and together they hold
+    each stored element once (DCP writes replicated pieces from one rank only)."""
+    folder = f"{root}/tp2 pp2/step_00000006"
+    import pathlib
+
+    files = sorted(p.name for p in pathlib.Path(folder).glob("*.distcp"))
+    assert files == [f"__{r}_0.distcp" for r in range(4)]
+    sizes = [pathlib.Path(folder, f).stat().st_size for f in files]
+    whole = sum(t.numel() * t.element_size() for t in checkpoint.read_tensors(folder, prefix="").values())
+    assert min(sizes) > 0.1 * whole / 4 and sum(sizes) < 1.2 * whole, (sizes, whole)
+
+
+@pytest.mark.parametrize("where, label", [("two", "moe ep1"), ("four", "moe ep4"), ("four", "moe dp2 tp2 ep2 zero2"),
+                                          ("four", "moe dp4 ep2 zero3")])
 def test_moe_resharded_across_ep(two, four, where, label):
     got = (two if where == "two" else four)[label]
     assert got["steps"] == [4, 5, 6]
@@ -155,24 +182,28 @@ def _resume(path, **model):
     return train(tiny_config({"train": {"steps": 3}, "model": model, "checkpoint": {"resume": str(path)}}))
 
 
-def test_truncated_file_is_named(saved, tmp_path):
-    import shutil
-
+def _copy(saved, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(saved, bad)
-    data = (bad / "model.safetensors").read_bytes()
-    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ConfigError, match=r"model.safetensors is corrupt or truncated"):
+    return bad
+
+
+def test_truncated_file_is_named(saved, tmp_path):
+    bad = _copy(saved, tmp_path)
+    data = (bad / "__0_0.distcp").read_bytes()
+    (bad / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=r"bad could not be read: a data file is corrupt, truncated or missing"):
         _resume(bad)
 
 
 def test_missing_file_is_partial(saved, tmp_path):
-    import shutil
-
-    bad = tmp_path / "partial"
-    shutil.copytree(saved, bad)
-    (bad / "optimizer.safetensors").unlink()
-    with pytest.raises(ConfigError, match=r"optimizer.safetensors is missing; the checkpoint is partial"):
+    bad = _copy(saved, tmp_path)
+    (bad / ".metadata").unlink()
+    with pytest.raises(ConfigError, match=r"\.metadata is missing; the checkpoint is partial"):
+        _resume(bad)
+    (bad / "__0_0.distcp").unlink()
+    shutil.copy(saved / ".metadata", bad / ".metadata")
+    with pytest.raises(ConfigError, match=r"could not be read: a data file is corrupt, truncated or missing"):
         _resume(bad)
 
 
@@ -187,11 +218,26 @@ def test_not_a_checkpoint(tmp_path):
         _resume(tmp_path)
 
 
-def test_loading_never_unpickles(saved):
-    # Only safetensors and JSON: a pickle planted where a tensor file belongs is refused, not run.
-    assert not any(p.suffix in (".pt", ".pth", ".bin", ".pkl") for p in saved.iterdir())
-    tensors = checkpoint._read_tensors(saved / "model.safetensors")
-    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+def test_loading_never_unpickles(saved, tmp_path):
+    # DCP's metadata is a pickle: a planted one that would run code is refused, not run.
+    import os
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    bad = _copy(saved, tmp_path)
+    (bad / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(ConfigError, match=r"\.metadata is corrupt or not a fivefold checkpoint "
+                                          r"\((posix|nt)\.system is not allowed in checkpoint metadata\)"):
+        _resume(bad)
+    assert not marker.exists()
+    # The real metadata passes the same allow-list, and tensors load as plain tensors.
+    tensors = checkpoint.read_tensors(saved)
+    assert tensors and all(type(t) is torch.Tensor for t in tensors.values())
 
 
 # --- Hugging Face conversion ---------------------------------------------------------------------
@@ -224,6 +270,17 @@ def test_export_to_hf_gives_equal_logits(saved, tmp_path):
         torch.testing.assert_close(fivefold.load_pretrained(saved.parent)(x), want, atol=0, rtol=0)
 
 
+def test_sharded_checkpoint_exports_to_hf(four, root, tmp_path):
+    """A checkpoint spread over four ranks' files (pp2 zbv, the tied embedding on one rank twice)
+    converts in one process; transformers computes the same logits."""
+    from fivefold.convert import convert
+
+    convert(f"{root}/dp2 pp2 zbv zero1", tmp_path / "hf")  # a checkpoint root: follows `latest`
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    want = _our_logits(f"{root}/dp2 pp2 zbv zero1/step_00000006", x)
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf", x), want, atol=1e-5, rtol=0)
+
+
 def test_hf_import_train_export_round_trip(saved, tmp_path):
     from layouts import BASE
 
@@ -250,17 +307,14 @@ def test_hf_import_train_export_round_trip(saved, tmp_path):
 
 
 def test_async_save_writes_the_same_checkpoint(tmp_path):
-    from safetensors.torch import load_file
-
     from fivefold.train.trainer import train
 
     for mode in ("sync", "async"):
         train(tiny_config({"train": {"steps": 3}, "checkpoint": {
             "dir": str(tmp_path / mode), "every": 1, "async_save": mode == "async"}}))
     for step in (2, 3):
-        for file in ("model.safetensors", "optimizer.safetensors"):
-            a = load_file(tmp_path / "sync" / f"step_0000000{step}" / file)
-            b = load_file(tmp_path / "async" / f"step_0000000{step}" / file)
-            # The process-wide RNG moved on between the two runs (in one process); all else is equal.
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "rng/cpu"), (step, file)
+        a = checkpoint.read_tensors(tmp_path / "sync" / f"step_0000000{step}", prefix="")
+        b = checkpoint.read_tensors(tmp_path / "async" / f"step_0000000{step}", prefix="")
+        # The process-wide RNG moved on between the two runs (in one process); all else is equal.
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if not k.startswith("rng/")), step
     assert (tmp_path / "async" / "latest").read_text().strip() == "step_00000003"

@@ -2,11 +2,12 @@
 
 - A fivefold checkpoint (a step_N folder, or a checkpoint root with `latest`), written by any
   layout, becomes a Hugging Face folder (config.json + model.safetensors) that transformers loads.
-- A Hugging Face folder becomes a weights-only fivefold checkpoint: model.safetensors, state.json
-  marked weights_only, and config.toml with the model's [model] section. Training from it:
+- A Hugging Face folder becomes a weights-only fivefold checkpoint: the model's tensors (one
+  process's torch.distributed.checkpoint files), state.json marked weights_only, and config.toml with the model's [model] section. Training from it:
   `fivefold train DST/config.toml --checkpoint.resume DST` (a fresh optimizer, data and schedule
   from step 0, the imported weights).
-Checkpoints hold whole tensors under single-device names, so no process group is needed here.
+Checkpoints store every tensor under its single-device name and whole shape, whichever layout
+wrote them, so one process reads (or writes) them whole here, with no process group.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _model_config(state: dict, path: Path):
 def checkpoint_to_model(path) -> torch.nn.Module:
     """The single-device model with the weights of a fivefold checkpoint (any saving layout)."""
     from fivefold.models import Transformer
-    from fivefold.train.checkpoint import LATEST, _follow_latest, load_model_tensors, read_state
+    from fivefold.train.checkpoint import LATEST, _follow_latest, read_state, read_tensors
 
     path = Path(path)
     if (path / LATEST).is_file() and not (path / "state.json").is_file():
@@ -38,7 +39,7 @@ def checkpoint_to_model(path) -> torch.nn.Module:
         raise ConfigError(f"{path} is not a fivefold checkpoint (no state.json)")
     cfg = _model_config(read_state(path), path)
     model = Transformer(cfg)
-    tensors = load_model_tensors(path, model)
+    tensors = read_tensors(path, cfg)
     if cfg.tie_embeddings:
         tensors["output.weight"] = tensors["tok_embeddings.weight"]
     model.load_state_dict(tensors, strict=True)
@@ -46,18 +47,17 @@ def checkpoint_to_model(path) -> torch.nn.Module:
 
 
 def hf_to_checkpoint(src, dst) -> Path:
-    from safetensors.torch import save_file
-
     from fivefold.config import Config
     from fivefold.models.hf import load_pretrained
+    from fivefold.train import sharded_io
     from fivefold.train.checkpoint import FORMAT
 
     model = load_pretrained(src)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
+    state = {f"model/{k}": sharded_io.whole(v.contiguous()) for k, v in model.state_dict().items()
              if not (k == "output.weight" and model.cfg.tie_embeddings)}
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "fivefold"})
+    sharded_io.save(state, dst, single_process=True)
     cfg = Config(model=model.cfg)
     (dst / "state.json").write_text(json.dumps({"format": FORMAT, "step": 0, "weights_only": True,
                                                 "model": cfg.to_dict()["model"]}, indent=1))

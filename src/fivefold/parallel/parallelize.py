@@ -170,19 +170,6 @@ class Parallelized:
                 out.pop("output.weight", None)  # the single-device model holds it once
         return out
 
-    def full_training_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """Model and AdamW state as whole tensors under single-device names, for checkpoints
-        (a collective; parallel/state.py)."""
-        from fivefold.parallel.state import full_training_state
-
-        return full_training_state(self, optimizer)
-
-    def load_training_state(self, model_sd: dict, optim_sd: dict | None, optimizer) -> None:
-        """The inverse: each rank takes its piece of every whole tensor (any saving layout)."""
-        from fivefold.parallel.state import load_training_state
-
-        load_training_state(self, model_sd, optim_sd, optimizer)
-
     def describe(self) -> str:
         d = self.dims
         return (f"layout: dp={d.dp} (replicate {d.dp_replicate} x shard {d.dp_shard}) tp={d.tp} "

@@ -1,17 +1,21 @@
 """Checkpoints: save every `checkpoint.every` steps, resume under any layout, survive a crash.
 
 A checkpoint is a folder `step_NNNNNNNN/` under the checkpoint root:
-  model.safetensors      whole weights (and MoE bias-balancing buffers) under single-device names
-  optimizer.safetensors  'exp_avg/<name>', 'exp_avg_sq/<name>', 'step/<name>', and RNG states
-  state.json             step, data-sampler position, LR-schedule state, the model config
-  config.toml            the whole config that produced it (for people; not read back)
-The layout-independent form (parallel/state.py) is what lets any layout load any checkpoint.
-Nothing is unpickled on load: safetensors and JSON only.
+  .metadata, __R_0.distcp  torch.distributed.checkpoint: each rank writes the pieces of the model,
+                           the AdamW moments and its RNG state that it holds (train/sharded_io.py),
+                           under single-device names and whole shapes ('model/<name>',
+                           'exp_avg/<name>', 'exp_avg_sq/<name>', 'rng/cpu/<rank>')
+  state.json               step, optimizer step, data-sampler position, LR-schedule state, model config
+  config.toml              the whole config that produced it (for people; not read back)
+No rank ever holds a whole tensor it does not train with; any layout reads any checkpoint by
+asking for its own pieces (parallel/shards.py). Nothing is unpickled on load but DCP's metadata,
+through an allow-list of its own classes; tensors load with weights_only.
 
-Atomicity: rank 0 writes into a hidden temporary folder, renames it to `step_N` when complete and
-only then rewrites `latest` (itself via a rename). A job killed at any moment leaves the previous
-checkpoint and a `latest` that names a complete one; leftovers of an interrupted save are removed
-at the next save.
+Atomicity: all ranks write into a hidden temporary folder; rank 0 adds state.json, renames the
+folder to `step_N` and only then rewrites `latest` (itself via a rename). A job killed at any
+moment leaves the previous checkpoint and a `latest` that names a complete one; leftovers of an
+interrupted save are removed at the next save. Checkpoint folders must be on a file system every
+rank sees (as for any multi-node checkpointing).
 """
 
 from __future__ import annotations
@@ -21,16 +25,16 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError, to_toml
+from fivefold.train import sharded_io
 from fivefold.train.faults import restart_count
 
-FORMAT = 1
+FORMAT = 2  # 1: whole tensors in safetensors (session 1); 2: DCP shards
 LATEST = "latest"
 PREFIX = "step_"
 
@@ -66,45 +70,65 @@ def _write_json(path: Path, obj) -> None:
         os.fsync(f.fileno())
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
-    out = {"rng/cpu": torch.get_rng_state()}
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {f"rng/cpu/{_rank()}": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["rng/cuda"] = torch.cuda.get_rng_state()
+        out[f"rng/cuda/{_rank()}"] = torch.cuda.get_rng_state()
     return out
 
 
-_writer: threading.Thread | None = None  # rank 0's asynchronous write in progress, if any
+_writer: threading.Thread | None = None  # this rank's asynchronous write in progress, if any
 _write_error: list[BaseException] = []
+_async_group = None  # a gloo group of its own: the writer thread's collectives never meet training's
 
 
-def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bool) -> Path | None:
+def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bool) -> Path:
     """Write the checkpoint of `step` (steps done). Collective: every rank calls it.
 
-    With checkpoint.async_save, rank 0 writes the gathered CPU copies in a background thread and
-    training continues; only the gather (and the wait for the previous write) is on the step path."""
+    Each rank writes only its own pieces. With checkpoint.async_save, the pieces are copied to
+    host memory and written by a background thread while training continues."""
+    from fivefold.parallel.shards import StateBoxes, optimizer_step
+
     root = checkpoint_root(cfg)
     wait_for_save()  # one write at a time, in step order
-    model_sd, optim_sd = par.full_training_state(optimizer)  # gathers over every dimension (copies)
     final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{final.name}"
     if is_main:
-        sched = scheduler.state_dict()
-        state = {"format": FORMAT, "step": step, "sampler": sampler.state_dict(),
-                 "scheduler": {k: sched[k] for k in ("last_epoch", "_step_count", "base_lrs", "_last_lr")},
-                 "model": cfg.to_dict()["model"]}
-        args = (cfg, root, final, model_sd, {**optim_sd, **_rng_state()}, state)
-        if cfg.checkpoint.async_save:
-            global _writer
-            _writer = threading.Thread(target=_write_catching, args=args, name="checkpoint-writer")
-            _writer.start()
-        else:
-            _write(*args)
-    if not cfg.checkpoint.async_save:
-        _barrier()  # no rank runs ahead (or dies) while the checkpoint is being written
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):  # an earlier save that was killed half-way
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()  # nobody writes into the temporary folder before it is clean
+    boxes = StateBoxes(par)
+    tensors = {**boxes.model(), **boxes.optimizer(optimizer),
+               **{k: sharded_io.whole(v) for k, v in _rng_tensors().items()}}
+    sched = scheduler.state_dict()
+    state = {"format": FORMAT, "step": step, "optimizer_step": optimizer_step(optimizer),
+             "sampler": sampler.state_dict(),
+             "scheduler": {k: sched[k] for k in ("last_epoch", "_step_count", "base_lrs", "_last_lr")},
+             "model": cfg.to_dict()["model"]}
+    if cfg.checkpoint.async_save:
+        global _writer, _async_group
+        if _async_group is None and dist.is_initialized():
+            from datetime import timedelta
+
+            _async_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+        staged = {k: sharded_io.Pieces(p.shape, p.dtype, [(o, t.detach().to("cpu", copy=True)) for o, t in p.boxes])
+                  for k, p in tensors.items()}
+        _writer = threading.Thread(target=_write_catching, name="checkpoint-writer",
+                                   args=(cfg, root, tmp, final, staged, state, is_main, _async_group))
+        _writer.start()
+    else:
+        _write(cfg, root, tmp, final, tensors, state, is_main, None)
+        _barrier()  # no rank runs ahead (or dies) before the checkpoint is complete
     return final
 
 
 def wait_for_save() -> None:
-    """Block until rank 0's asynchronous write (if any) is on disk; re-raise its error."""
+    """Block until this rank's asynchronous write (if any) is on disk; re-raise its error."""
     global _writer
     if _writer is not None:
         _writer.join()
@@ -120,19 +144,15 @@ def _write_catching(*args) -> None:
         _write_error.append(err)
 
 
-def _write(cfg: Config, root: Path, final: Path, model_sd: dict, optim_sd: dict, state: dict) -> None:
-    from safetensors.torch import save_file
-
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):  # an earlier save that was killed half-way
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:6]}"
-    tmp.mkdir()
-    save_file(model_sd, str(tmp / "model.safetensors"), metadata={"format": "fivefold"})
+def _write(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state: dict, is_main: bool,
+           group) -> None:
+    # DCP's save returns on rank 0 only after every rank's pieces are written and the metadata is.
+    sharded_io.save(tensors, tmp, process_group=group)
+    if not is_main:
+        return
     if cfg.debug.slow_save_step == state["step"]:  # tests: a window in which to kill the job mid-save
         print(f"debug: pausing {cfg.debug.slow_save_s}s while writing {final}", flush=True)
         time.sleep(cfg.debug.slow_save_s)
-    save_file(optim_sd, str(tmp / "optimizer.safetensors"), metadata={"format": "fivefold"})
     _write_json(tmp / "state.json", state)
     (tmp / "config.toml").write_text(to_toml(cfg))
     _fsync_dir(tmp)
@@ -188,18 +208,6 @@ def _follow_latest(root: Path) -> Path:
     return path
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise ConfigError(f"checkpoint file {path} is missing; the checkpoint is partial")
-    try:
-        return load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises several types for a damaged file
-        raise ConfigError(f"checkpoint file {path} is corrupt or truncated ({err}); resume from an "
-                          "earlier checkpoint") from None
-
-
 def read_state(path: Path) -> dict:
     try:
         state = json.loads((path / "state.json").read_text())
@@ -212,39 +220,71 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def load_model_tensors(path: Path, model) -> dict[str, torch.Tensor]:
-    """The checkpoint's model tensors, checked against `model` (may be on the meta device)."""
-    from fivefold.parallel.state import check_shapes, expected_shapes
+def _expected(cfg_model, with_optimizer: bool) -> dict[str, tuple]:
+    """Checkpoint key -> whole shape this model needs (from a meta-device model: no memory)."""
+    from fivefold.models import Transformer
+    from fivefold.parallel.state import expected_shapes
 
-    tensors = _read_tensors(path / "model.safetensors")
-    check_shapes(path, tensors, expected_shapes(model), "model")
-    return tensors
+    with torch.device("meta"):
+        model = Transformer(cfg_model)
+    shapes = expected_shapes(model)
+    out = {f"model/{name}": shape for name, shape in shapes.items()}
+    if with_optimizer:
+        params = {name for name, _ in model.named_parameters()}
+        out.update({f"{key}/{name}": shape for name, shape in shapes.items() if name in params
+                    for key in ("exp_avg", "exp_avg_sq")})
+    return out
+
+
+def read_tensors(path: Path, cfg_model=None, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    """Whole tensors of a checkpoint whose keys start with `prefix` (the prefix dropped), in one
+    process (conversion, inspection, tests); checked against `cfg_model` first when given."""
+    from fivefold.parallel.state import check_shapes
+
+    stored, dtypes = sharded_io.shapes(path), sharded_io.dtypes(path)
+    if cfg_model is not None:
+        check_shapes(path, stored, _expected(cfg_model, with_optimizer=False), "model")
+    tensors = {k: sharded_io.whole(torch.empty(shape, dtype=dtypes[k])) for k, shape in stored.items()
+               if k.startswith(prefix)}
+    sharded_io.load(tensors, path, single_process=True)
+    return {k[len(prefix):]: p.boxes[0][1] for k, p in tensors.items()}
 
 
 def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
-    """Restore everything from checkpoint `path`; returns the step to continue from."""
-    from fivefold.models import Transformer
+    """Restore everything from checkpoint `path`; returns the step to continue from.
+    Collective: every rank reads the pieces its own layout needs."""
+    from fivefold.parallel.shards import StateBoxes
     from fivefold.parallel.state import check_shapes
 
     state = read_state(path)
-    with torch.device("meta"):
-        shape_model = Transformer(cfg.model)
-    model_sd = load_model_tensors(path, shape_model)
-    if state.get("weights_only"):  # imported weights (fivefold convert): fresh optimizer, step 0
-        par.load_training_state(model_sd, None, optimizer)
+    weights_only = bool(state.get("weights_only"))  # imported weights (fivefold convert)
+    stored = sharded_io.shapes(path)
+    check_shapes(path, stored, _expected(cfg.model, with_optimizer=not weights_only),
+                 "model" if weights_only else "model or optimizer")
+    boxes = StateBoxes(par)
+    tensors = boxes.model(for_load=True)
+    rng = {}
+    if not weights_only:
+        tensors.update(boxes.optimizer(optimizer, for_load=True))
+        for key, now in _rng_tensors().items():
+            kind = key.rsplit("/", 1)[0]  # a rank the saving run did not have takes rank 0's
+            source = key if key in stored else f"{kind}/0"
+            if source in stored:
+                rng[kind] = torch.empty_like(now)
+                tensors[source] = sharded_io.whole(rng[kind])
+    sharded_io.load(tensors, path)
+    boxes.after_model_load()
+    if weights_only:  # a fresh optimizer, data stream and schedule from step 0
         return 0
-    optim_sd = _read_tensors(path / "optimizer.safetensors")
-    params = dict(shape_model.named_parameters())
-    check_shapes(path, optim_sd, {f"{key}/{name}": tuple(t.shape) for name, t in model_sd.items()
-                                  for key in ("exp_avg", "exp_avg_sq") if name in params}, "optimizer")
-    par.load_training_state(model_sd, optim_sd, optimizer)
+    boxes.install(optimizer, state.get("optimizer_step", state["step"]))
     sampler.load_state_dict(state["sampler"])
     sched = scheduler.state_dict()
     sched.update(state["scheduler"])
     scheduler.load_state_dict(sched)
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # LambdaLR's load_state_dict restores its counters, not the groups' lr
-    torch.set_rng_state(optim_sd["rng/cpu"])
-    if "rng/cuda" in optim_sd and torch.cuda.is_available():
-        torch.cuda.set_rng_state(optim_sd["rng/cuda"])
+    if "rng/cpu" in rng:
+        torch.set_rng_state(rng["rng/cpu"])
+    if "rng/cuda" in rng:
+        torch.cuda.set_rng_state(rng["rng/cuda"])
     return int(state["step"])

@@ -87,7 +87,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
                            cfg.log.progress)
     writer.note(par.describe())
     resume_from = checkpoint.resolve(cfg)
-    if resume_from is not None:  # any saving layout: the checkpoint holds whole tensors
+    if resume_from is not None:  # any saving layout: each rank reads the pieces its layout needs
         checkpoint.load(cfg, resume_from, par, optimizer, scheduler, sampler)
         writer.note(f"resumed from {resume_from}: continuing at step {sampler.step + 1}")
     bad_steps = 0  # non-finite steps in a row

@@ -1,0 +1,72 @@
+"""Measure what one micro-batch's forward keeps for backward, on this rank, in bytes.
+
+The planner predicts activation bytes (plan/memory.py); this is the measurement it is checked
+against. While the forward and the loss run, a dispatch mode holds on to the storage of every
+tensor an operator creates; at the end, the storages that something else still references
+(autograd's saved tensors, what activation checkpointing keeps, the logits for the loss) are
+what the step holds for backward. Unlike saved-tensor hooks this also sees what
+torch.utils.checkpoint keeps, so 'selective' and 'full' recomputation are measured like 'none';
+unlike allocator totals it is not disturbed by communication buffers freed late on other threads.
+
+Works for layouts without a pipeline (a pipeline runs forward and backward interleaved).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+
+def _plain_tensors(tensor: torch.Tensor):
+    """The plain tensors holding a tensor's data: a DTensor's (or an async collective result's)
+    local tensor; the mode sees the subclass, not the local operators inside it."""
+    if not isinstance(tensor, torch.Tensor):
+        return
+    if is_traceable_wrapper_subclass(tensor):
+        for name in tensor.__tensor_flatten__()[0]:
+            yield from _plain_tensors(getattr(tensor, name, None))
+    elif tensor.device.type != "meta":
+        yield tensor
+
+
+class _Created(TorchDispatchMode):
+    """Holds the storage of every tensor an operator returns (one reference each)."""
+
+    def __init__(self, existing: set[int]):
+        super().__init__()
+        self.existing = existing
+        self.storages: dict[int, torch.UntypedStorage] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            for tensor in _plain_tensors(leaf):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in self.existing and storage.nbytes():
+                    self.storages.setdefault(storage.data_ptr(), storage)
+        return out
+
+    def kept_bytes(self) -> int:
+        # One reference is ours: a storage someone else also holds is kept for backward.
+        return sum(s.nbytes() for s in self.storages.values() if torch._C._storage_Use_Count(s._cdata) > 1)
+
+
+def forward_kept_bytes(par, batch: torch.Tensor, autocast) -> int:
+    """Bytes that the forward + loss of `batch` (one micro-batch of this rank) leave referenced."""
+    if par.pipeline is not None:
+        raise ValueError("forward_kept_bytes measures layouts without pipeline parallelism")
+    inputs, labels, positions = par.split_sequence(batch)
+    existing = {t.untyped_storage().data_ptr() for t in (inputs, labels, positions) if t is not None}
+    for part in par.parts:
+        for tensor in [*part.parameters(), *part.buffers()]:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            existing.add(local.untyped_storage().data_ptr())
+    mode = _Created(existing)
+    with mode, autocast():
+        loss = par.loss(par.model(inputs, positions), labels)
+    kept = mode.kept_bytes()
+    del loss, mode  # frees the graph: nothing is trained
+    return kept
