@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fivefold.config import ModelConfig
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import DEFAULT_RUNTIME, hardware_for
+from fivefold.plan.hardware import NANOTRON_RUNTIME, hardware_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import model_stats
 from fivefold.plan.workload import PRECISIONS, Workload
@@ -86,7 +86,7 @@ def layout_for(row: dict) -> Layout | None:
                   mbs=int(row["mbs"]), recompute="none", pp_schedule="1f1b", pp_layers=split)
 
 
-def predict(rows: list[dict], runtime=DEFAULT_RUNTIME, hw=None) -> list[dict]:
+def predict(rows: list[dict], runtime=NANOTRON_RUNTIME, hw=None) -> list[dict]:
     hw = hw or hardware_for("h100")
     workloads = {name: workload_for(name) for name in SHAPES}
     out = []

@@ -65,10 +65,11 @@ def cpu_per_step(layout: dict, n: int, steps: int, threads: int, out: Path, extr
 
 def summarize(records: list[dict], warmup: int) -> dict:
     after = records[warmup:]
+    measured = [r["comm_bytes"] for r in after if "comm_bytes" in r]  # the ledger's steps only
     comm: dict[str, float] = {}
-    for r in after:
-        for dim, nbytes in (r.get("comm_bytes") or {}).items():
-            comm[dim] = comm.get(dim, 0) + nbytes / len(after)
+    for ledger in measured:
+        for dim, nbytes in ledger.items():
+            comm[dim] = comm.get(dim, 0) + nbytes / len(measured)
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in after),
             "step_time_s": statistics.median(r["step_time_s"] for r in after),
             "comm_bytes": comm, "loss_last": records[-1]["loss"]}

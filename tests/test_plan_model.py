@@ -11,10 +11,10 @@ import pytest
 from fivefold.config import load_config
 from fivefold.plan import comm
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import DEFAULT_RUNTIME, hardware_for
+from fivefold.plan.hardware import DEFAULT_RUNTIME, NANOTRON_RUNTIME, hardware_for
 from fivefold.plan.layout import Layout, parse_layout
-from fivefold.plan.memory import (layer_activation_elements, model_state_bytes, rank_memory,
-                                  rank_param_counts, worst_rank_memory)
+from fivefold.plan.memory import (fivefold_layer_bytes, layer_activation_elements, model_state_bytes,
+                                  rank_memory, rank_param_counts, worst_rank_memory)
 from fivefold.plan.model_stats import model_stats
 from fivefold.parallel.pipeline_split import balanced_layer_counts
 from fivefold.plan.schedule import (bubble_fraction, in_flight_chunks,
@@ -136,16 +136,34 @@ def test_one_f_one_b_first_rank_holds_p_microbatches_and_worst_rank_is_reported(
 
 
 def test_last_rank_holds_the_logits():
+    """'nanotron' recipe (the Playbook's runs): bf16 logits, fp32 softmax copy and gradient."""
     w = workload_from_config(cfg_for("llama3-8b", "--train.seq_len", "4096"))
     layout = Layout(pp=2, mbs=1, pp_layers="16,16")
     first, last = pipeline_ranks(w.stats, layout, 4096)
-    m_first = rank_memory(w, layout, H100, DEFAULT_RUNTIME, first, 0)
-    m_last = rank_memory(w, layout, H100, DEFAULT_RUNTIME, last, 1)
-    logits = 4096 * 128256 * DEFAULT_RUNTIME.logits_bytes_per_element
+    m_first = rank_memory(w, layout, H100, NANOTRON_RUNTIME, first, 0)
+    m_last = rank_memory(w, layout, H100, NANOTRON_RUNTIME, last, 1)
+    logits = 4096 * 128256 * NANOTRON_RUNTIME.logits_bytes_per_element
     per_layer = layer_activation_elements(w.stats, 0, layout, 4096, "none", True) * 4096 * 2
     assert m_first.activations == pytest.approx(2 * 16 * per_layer)  # 2 micro-batches in flight
     final_norm = 2 * 4096 * 4096 * 2  # its input and output, one micro-batch
     assert m_last.activations == pytest.approx(16 * per_layer + logits + final_norm)
+
+
+def test_fivefold_recipe_last_rank_keeps_fp32_log_softmax_and_its_gradient_is_transient():
+    w = workload_from_config(cfg_for("llama3-8b", "--train.seq_len", "4096"))  # bf16 autocast
+    layout = Layout(pp=2, mbs=1, pp_layers="16,16")
+    first, last = pipeline_ranks(w.stats, layout, 4096)
+    m_first = rank_memory(w, layout, H100, DEFAULT_RUNTIME, first, 0)
+    m_last = rank_memory(w, layout, H100, DEFAULT_RUNTIME, last, 1)
+    h, kv, f = 4096, 1024, 14336
+    # Per token: two norms (fp32 input and x·rstd, rstd, bf16 output), attention (q, k, v, output;
+    # fp32 logsumexp), MLP.
+    layer = 2 * (2 * h * 4 + 4 + h * 2) + (2 * h + 2 * kv) * 2 + 32 * 4 + 4 * f * 2
+    assert fivefold_layer_bytes(w.stats, 0, layout, 4096, "none", w.precision, True) == layer
+    assert m_first.activations == pytest.approx(2 * 16 * layer * 4096)
+    final_norm = (2 * h * 4 + 4 + h * 2) * 4096
+    assert m_last.activations == pytest.approx(16 * layer * 4096 + final_norm + 4096 * 128256 * 4)
+    assert m_last.other - m_first.other == pytest.approx(4096 * 128256 * (4 + 2), rel=0.05)
 
 
 # ---------------------------------------------------------------------------------- schedules
@@ -179,8 +197,8 @@ def test_explicit_pp_layers_must_add_up():
 
 def test_collective_volumes():
     layout = Layout(tp=4)
-    # TP moves 8 b s h (t-1)/t elements per layer per micro-batch
-    assert comm.tp_bytes_per_layer(layout, 4096, 4096, 2) == 8 * 4096 * 4096 * 3 / 4 * 2
+    # TP moves b s h (t-1)/t elements per collective (8 per layer per micro-batch)
+    assert comm.tp_bytes_per_collective(layout, 4096, 4096, 2) == 4096 * 4096 * 3 / 4 * 2
     assert comm.pp_bytes_per_microbatch(Layout(pp=2), 4096, 4096, 2, 1) == 2 * 4096 * 4096 * 2
     link = comm.Link(8, 8)
     hw = dataclasses.replace(H100, intra_latency_s=0.0)

@@ -61,9 +61,10 @@ def reference():
 
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory):
-    """30 steps with metrics.jsonl and evaluation every 10 steps."""
+    """30 steps with metrics.jsonl, evaluation and the communication ledger every 10 steps."""
     run_dir = tmp_path_factory.mktemp("run")
-    cfg, result, _, _ = run({"train": {"steps": 30, "eval_every": 10}, "log": {"dir": str(run_dir)}})
+    cfg, result, _, _ = run({"train": {"steps": 30, "eval_every": 10},
+                             "log": {"dir": str(run_dir), "comm_every": 10}})
     return cfg, result, run_dir
 
 
@@ -162,6 +163,12 @@ def test_metrics_jsonl(long_run):
             assert r["mfu"] is None or 0 < r["mfu"] < 1
     assert [r["loss"] for r in records] == result.losses
     assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in result.records]
+
+
+def test_communication_is_measured_on_the_first_last_and_every_nth_step(long_run):
+    _, _, run_dir = long_run  # log.comm_every = 10, 30 steps
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "comm_bytes" in r] == [1, 10, 20, 30]
 
 
 def test_eval_every_produces_val_loss(long_run):

@@ -139,6 +139,9 @@ class DebugConfig:
 class LogConfig:
     dir: str = ""  # run directory for metrics.jsonl (and TensorBoard); empty = none
     every: int = 10  # console line every N steps
+    # Steps whose communication the ledger measures (`comm_bytes` in metrics.jsonl): the first, the
+    # last and every N-th; 0 = every log.every-th. Measuring costs a dispatch hook per operator.
+    comm_every: int = 0
     tensorboard: bool = False
     progress: bool = True
 

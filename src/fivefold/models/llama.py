@@ -91,6 +91,15 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """A norm's output as the matmuls after it will read it. Under autocast each matmul would cast
+    it itself and keep its own copy for backward (three for q, k, v; two for gate, up); one cast
+    here keeps one, and a tensor-parallel gather of it then moves half the bytes."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, feed_forward: nn.Module | None = None):
         super().__init__()
@@ -100,8 +109,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.attention(in_compute_dtype(self.attention_norm(x)), cos, sin)
+        return x + self.feed_forward(in_compute_dtype(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -140,7 +149,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:
-            h = self.norm(h)
+            h = in_compute_dtype(self.norm(h))
         return self.output(h) if self.output is not None else h
 
     @torch.no_grad()

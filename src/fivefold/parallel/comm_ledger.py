@@ -6,6 +6,9 @@ dimension it belongs to (tp, dp, ...); the tensor sizes give the bytes a rank se
 algorithms (all-reduce 2(N-1)/N of the buffer; reduce-scatter, all-gather and all-to-all (N-1)/N of
 the full buffer; point-to-point the whole tensor). Groups not named by the mesh (e.g. the world
 group of the gradient-norm all-reduce) are counted under "other".
+
+A group is recognised by its name, else by its members: DTensor caches sharding decisions per
+mesh shape, so a second run in one process may reach the same ranks through an earlier run's group.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ def _functional_group_size(name: str) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name).size()
+
+
+def group_ranks(name: str) -> tuple[int, ...]:
+    """The sorted global ranks of a process group, by its name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return tuple(sorted(dist.get_process_group_ranks(_resolve_process_group(name))))
 
 
 def _nbytes(tensors) -> int:
@@ -87,6 +97,7 @@ class CommLedger(TorchDispatchMode):
         super().__init__()
         self.group_dims = group_dims or {}  # process-group name -> dimension label
         self._bytes: dict[str, float] = defaultdict(float)
+        self._labels: dict[str, str] = {}  # group name -> label, filled on first sight
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -108,7 +119,14 @@ class CommLedger(TorchDispatchMode):
         return out
 
     def _add(self, group_name: str, nbytes: float) -> None:
-        self._bytes[self.group_dims.get(group_name, "other")] += nbytes
+        label = self._labels.get(group_name)
+        if label is None:
+            label = self.group_dims.get(group_name)
+            if label is None:  # not one of this run's groups: one with the same members
+                by_members = {group_ranks(name): dim for name, dim in self.group_dims.items()}
+                label = by_members.get(group_ranks(group_name), "other")
+            self._labels[group_name] = label
+        self._bytes[label] += nbytes
 
     def take(self) -> dict[str, int]:
         out = {dim: int(round(n)) for dim, n in sorted(self._bytes.items())}

@@ -22,6 +22,8 @@ _SAVE = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+if hasattr(torch.ops.aten, "_grouped_mm"):  # the experts' matmuls (models/moe.py)
+    _SAVE.add(torch.ops.aten._grouped_mm.default)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

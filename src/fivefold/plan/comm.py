@@ -93,16 +93,18 @@ def p2p_time(nbytes: float, link: Link, hw: Hardware) -> float:
 
 # ------------------------------------------------------------------------ per-dimension volumes
 
-def tp_bytes_per_layer(layout: Layout, tokens: float, dim: int, act_bytes: int) -> float:
-    """Bytes one rank sends for one layer of one micro-batch (forward + backward)."""
+def tp_bytes_per_collective(layout: Layout, tokens: float, dim: int, nbytes: int) -> float:
+    """Bytes one rank sends in one all-gather or reduce-scatter of a micro-batch's hidden states
+    (a layer has 8 of them, forward + backward)."""
     t = layout.tp
-    return 0.0 if t == 1 else 8 * tokens * dim * (t - 1) / t * act_bytes
+    return 0.0 if t == 1 else tokens * dim * (t - 1) / t * nbytes
 
 
 def cp_bytes_per_layer(layout: Layout, tokens_local: float, dim: int, kv_dim: int,
                        act_bytes: int) -> float:
     """Bytes one rank sends for one attention of one micro-batch (forward + backward).
-    ring: K,V go round the ring in forward; K,V and dK,dV again in backward (3 passes).
+    ring: K,V go round the ring in forward (c-1 hops); in backward K,V again (c-1) and dK,dV,
+    which must also come home to their owner (c hops): 3c-2 hops of the local K,V.
     allgather: gather K,V in forward, again in backward, reduce-scatter dK,dV.
     ulysses: all-to-all of q, k, v and the output, forward and backward."""
     c, t = layout.cp, layout.tp
@@ -110,7 +112,7 @@ def cp_bytes_per_layer(layout: Layout, tokens_local: float, dim: int, kv_dim: in
         return 0.0
     kv_local = 2 * tokens_local * kv_dim / t * act_bytes
     if layout.cp_method == "ring":
-        return 3 * (c - 1) * kv_local
+        return (3 * c - 2) * kv_local
     if layout.cp_method == "allgather":
         return 3 * (c - 1) * kv_local
     qkvo_local = tokens_local * (2 * dim + 2 * kv_dim) / t * act_bytes

@@ -79,11 +79,15 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     compute += traffic / hw.hbm_bw
     attention = n_layers * stats.attention_flops_per_token(seq) * tokens_mb / shards / achieved
 
-    # Tensor parallelism: 8 collectives per layer (+ the vocab-parallel embedding's), each an
-    # all-gather or reduce-scatter of the micro-batch's hidden states.
-    n_tp = n_layers + (1 if prank.has_embedding else 0)
-    tp_b = n_tp * comm.tp_bytes_per_layer(layout, tokens_local, stats.dim, pr.act_bytes)
-    tp_t = n_tp * 8 * comm.gather_time(tokens_local * stats.dim * pr.act_bytes, links["tp"], hw)
+    # Tensor parallelism: 8 collectives per layer and 2 for the output projection in the compute
+    # dtype, 2 for the vocab-parallel embedding in the residual stream's (the weights') dtype; each
+    # an all-gather or reduce-scatter of the micro-batch's hidden states.
+    n_tp = 8 * n_layers + 2 * prank.has_output
+    n_stream = 2 * prank.has_embedding
+    tp_b = (n_tp * comm.tp_bytes_per_collective(layout, tokens_local, stats.dim, pr.act_bytes)
+            + n_stream * comm.tp_bytes_per_collective(layout, tokens_local, stats.dim, pr.param_bytes))
+    tp_t = (n_tp * comm.gather_time(tokens_local * stats.dim * pr.act_bytes, links["tp"], hw)
+            + n_stream * comm.gather_time(tokens_local * stats.dim * pr.param_bytes, links["tp"], hw))
     tp_t *= runtime.tp_exposed_fraction
 
     cp_b = n_layers * comm.cp_bytes_per_layer(layout, tokens_local, stats.dim, stats.kv_dim,

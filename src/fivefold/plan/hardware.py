@@ -52,7 +52,7 @@ PROFILES: dict[str, Hardware] = {
     # One CPU process of a laptop run under gloo: for comparing with local runs, not for speed claims.
     "cpu": Hardware("cpu", peak_flops=0.1 * TB, memory_bytes=16 * GB, hbm_bw=20 * GB,
                     intra_bw=4 * GB, nic_bw=1 * GB, gpus_per_node=64, matmul_efficiency=0.5,
-                    intra_latency_s=100e-6, inter_latency_s=200e-6, fused_attention=False),
+                    intra_latency_s=100e-6, inter_latency_s=200e-6),  # CPU SDPA is a flash kernel too
 }
 
 
@@ -65,8 +65,11 @@ class Runtime:
     """
     # cuBLAS/NCCL workspaces and allocator fragmentation: memory no tensor of the model owns.
     fixed_bytes: float = 0.5 * GB
-    # Bytes per logit element held at the loss: bf16 logits (2), the fp32 copy the softmax works
-    # on (4), and its fp32 gradient (4).
+    # Which implementation's activations to count (plan/memory.py): 'fivefold' (ours, measured on
+    # our runs) or 'nanotron' (the Playbook's runs, for benchmarks/planner_accuracy.py).
+    activation_recipe: str = "fivefold"
+    # 'nanotron' recipe: bytes per logit element held at the loss: bf16 logits (2), the fp32 copy
+    # the softmax works on (4), and its fp32 gradient (4).
     logits_bytes_per_element: float = 10.0
     # Host time to launch one transformer layer's kernels (forward + backward) for one micro-batch.
     # The GPU cannot run faster than the host feeds it: a stage's micro-batch takes at least
@@ -97,6 +100,8 @@ class Runtime:
 
 
 DEFAULT_RUNTIME = Runtime()
+# The Playbook's runs were made with nanotron: its activations, the same constants otherwise.
+NANOTRON_RUNTIME = dataclasses.replace(DEFAULT_RUNTIME, activation_recipe="nanotron")
 
 
 def hardware_for(name: str, gpus_per_node: int | None = None, **overrides) -> Hardware:

@@ -1,9 +1,26 @@
 """Bytes one rank holds at its peak: model state under each ZeRO stage / HSDP, activations under
 tp/sp/cp/recomputation and the pipeline schedule, logits, temporary buffers, runtime overhead.
 
-Activation counts follow Korthikanti et al. 2022 (arXiv 2205.05198), re-derived for fivefold's
-Llama block (RMSNorm, GQA, SwiGLU, no dropout).
-Per token of one micro-batch, a layer saves:
+Activations come in two recipes (Runtime.activation_recipe):
+
+'fivefold' — what fivefold's own Llama block keeps, counted tensor by tensor on our runs with
+train/activation_probe.py and checked in tests/test_plan_activations.py (fp32 and bf16 autocast,
+tp/sp, cp, none/selective/full). Per token of one micro-batch, a layer keeps, with S the
+residual-stream bytes (the fp32 weights' dtype), A the compute bytes (bf16 under autocast), s the
+sequence split (tp under sequence parallelism) and t the tp degree:
+  each RMSNorm: its input and the normalised x·rstd, 2h/s x S, and rstd (fp32, 1/s)
+  the norm output, cast once to A (models/llama.py) and saved by the matmuls that read it: h x A,
+      full sequence (gathered) under sequence parallelism
+  attention: q and k after RoPE, v, the output (h + kv + kv + h)/t x A, logsumexp (fp32 per head)
+  MLP: gate and up outputs, silu(gate), silu(gate)·up: 4f/t x A
+  MoE instead (replicated over tp): the k dispatched copies of each token, their expert output and
+      its weighted copy 3kh, each copy's SwiGLU 4kf (x A), shared experts' SwiGLU, the routing
+      bookkeeping (fp32 scores, int64 top-k and sort indices: 4E + 41k bytes)
+'selective' keeps the block input and the outputs of the matmuls and attention (the row-parallel
+outputs whole, h x A, before their reduce-scatter); 'full' keeps the block input.
+
+'nanotron' — Korthikanti et al. 2022 (arXiv 2205.05198) as the Playbook's nanotron runs keep it,
+for benchmarks/planner_accuracy.py. Per token of one micro-batch, a layer saves:
   both RMSNorm inputs and both norm outputs                 4h  (split across tp only under
       sequence parallelism, where the column-parallel matmuls re-gather their input in backward)
   q h, k and v 2 kv_dim, attention output h, logsumexp      split across tp
@@ -12,7 +29,8 @@ Per token of one micro-batch, a layer saves:
   MLP: gate and up 2f, silu(gate) f, silu(gate)*up f        split across tp
 (an unfused attention also keeps the a x s softmax). 'selective' recomputes the norms and the
 activation function (drops the norm outputs and silu(gate)); 'full' keeps only each layer's input
-and recomputes one layer at a time during backward.
+and recomputes one layer at a time during backward. The speed model's elementwise-traffic term
+uses this count in every recipe (it was calibrated with it).
 """
 
 from __future__ import annotations
@@ -142,31 +160,81 @@ def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq
 
 def rank_activation_elements(stats: ModelStats, prank: PipelineRank, layout: Layout, seq_len: int,
                              recompute: str, fused_attention: bool) -> float:
-    """Sum over the rank's layers of layer_activation_elements."""
+    """Sum over the rank's layers of layer_activation_elements (the 'nanotron' count)."""
     return sum(count * layer_activation_elements(stats, layer, layout, seq_len, recompute,
                                                  fused_attention)
                for layer, count in prank.kinds)
 
 
+def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len: int, recompute: str,
+                         precision, fused_attention: bool) -> float:
+    """Bytes one of fivefold's blocks keeps per token of one micro-batch on one rank (docstring)."""
+    h, kv, t = stats.dim, stats.kv_dim, layout.tp
+    s = t if (t > 1 and layout.sp) else 1
+    S, A = precision.param_bytes, precision.act_bytes
+    if recompute == "full":
+        return h / s * S
+    if stats.is_moe(layer):  # replicated over tp (parallel/expert.py): whole, not split by t or s
+        f = stats.expert_params / (3 * h)
+        k, n_shared, n_experts = stats.top_k, stats.shared_expert_params / stats.expert_params, stats.n_experts
+        mlp = ((3 * k * h + 4 * k * f + n_shared * 4 * f) * A
+               + 4 * n_experts + 41 * k + 4)  # routing bookkeeping: scores, top-k, sort (int64)
+        mlp_selective = (k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A
+    else:
+        mlp = 4 * stats.ffn_dim / t * A
+        mlp_selective = (2 * stats.ffn_dim / t + h) * A  # gate and up outputs, w2's whole output
+    lse = stats.n_heads / t * 4  # fp32 logsumexp per head
+    if not fused_attention:
+        lse += stats.n_heads / t * seq_len / layout.cp * A  # the softmax over all keys
+    if recompute == "selective":
+        attention = (2 * h + 2 * kv) / t * A + lse + h * A  # q, k, v, output; wo's whole output
+        return h / s * S + attention + mlp_selective
+    norms = 2 * (2 * h / s * S + 4 / s + h * A)  # + each output in A, as the matmuls read it
+    return norms + (2 * h + 2 * kv) / t * A + lse + mlp
+
+
+def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recompute: str,
+                           hw: Hardware, runtime: Runtime) -> float:
+    """Bytes one layer keeps per token of one micro-batch, in the runtime's recipe."""
+    stats, seq = workload.stats, workload.seq_len
+    if runtime.activation_recipe == "fivefold":
+        return fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
+                                    hw.fused_attention)
+    return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fused_attention)
+            * workload.precision.act_bytes)
+
+
+def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[float, float, float]:
+    """Per token at the last stage: (final norm kept per micro-batch, logits kept for the last
+    micro-batch, logits' gradient at the start of backward)."""
+    stats, pr = workload.stats, workload.precision
+    s = layout.tp if (layout.tp > 1 and layout.sp) else 1
+    vocab = stats.vocab_size / layout.tp
+    if runtime.activation_recipe == "fivefold":
+        # norm input and x·rstd, rstd, the output layer's input (gathered under sp); the fp32
+        # log-softmax of the vocab-parallel logits; in backward their fp32 and A gradients.
+        norm = 2 * stats.dim / s * pr.param_bytes + 4 / s + stats.dim * pr.act_bytes
+        return norm, 4 * vocab, (4 + pr.act_bytes) * vocab
+    return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0
+
+
 def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, rank: int,
                      micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
     """(saved activations at the peak, transient working memory) of one pipeline rank."""
-    stats, seq = workload.stats, workload.seq_len
-    tokens = layout.mbs * seq / layout.cp  # tokens of one micro-batch on this rank
-    act = workload.precision.act_bytes
-    per_mb = rank_activation_elements(stats, prank, layout, seq, layout.recompute,
-                                      hw.fused_attention) * tokens * act
-    saved = in_flight_chunks(layout, rank, micro_batches) * per_mb
+    tokens = layout.mbs * workload.seq_len / layout.cp  # tokens of one micro-batch on this rank
+    in_flight = in_flight_chunks(layout, rank, micro_batches)
+    saved = in_flight * tokens * sum(
+        count * layer_activation_bytes(workload, layer, layout, layout.recompute, hw, runtime)
+        for layer, count in prank.kinds)
     # The backward of one layer materialises gradients about as large as what that layer saved;
     # under full recomputation it first rebuilds that layer's activations as well.
-    biggest = max((layer_activation_elements(stats, layer, layout, seq, "none", hw.fused_attention)
+    biggest = max((layer_activation_bytes(workload, layer, layout, "none", hw, runtime)
                    for layer, _ in prank.kinds), default=0.0)
-    working = biggest * tokens * act * (2 if layout.recompute == "full" else 1)
+    working = biggest * tokens * (2 if layout.recompute == "full" else 1)
     if prank.has_output:
-        seq_split = layout.tp if (layout.tp > 1 and layout.sp) else 1
-        final_norm = 2 * stats.dim / seq_split * tokens * act
-        logits = tokens * stats.vocab_size / layout.tp * runtime.logits_bytes_per_element
-        saved += final_norm * in_flight_chunks(layout, rank, micro_batches) + logits
+        norm, logits, logits_grad = output_bytes(workload, layout, runtime)
+        saved += (norm * in_flight + logits) * tokens
+        working += logits_grad * tokens
     return saved, working
 
 

@@ -95,14 +95,17 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
 
-    for step in range(sampler.step, t.steps):
+    first_step = sampler.step
+    for step in range(first_step, t.steps):
         faults.progress.step = step + 1  # named by the error if a collective times out
         faults.maybe_crash(cfg, step + 1, rt.rank)
         start = time.perf_counter()
         batch = rank_slice(train_split.windows(sampler.next_indices()), par.dp_rank, cfg.parallel.dp)
         batch = batch.to(rt.device, non_blocking=True)
         lr = optimizer.param_groups[0]["lr"]
-        with par.measure_comm():
+        comm_every = cfg.log.comm_every or cfg.log.every
+        measured = step in (first_step, t.steps - 1) or (comm_every and (step + 1) % comm_every == 0)
+        with par.measure_comm() if measured else contextlib.nullcontext():
             loss_sum = par.forward_backward(batch, n_micro, lambda: autocast(cfg, rt.device))
             par.finish_grads()
             grad_norm = par.clip_grad_norm(t.grad_clip)
@@ -125,7 +128,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
             "tokens_per_sec": world_tokens_per_sec,
             "mfu": flops_per_step / step_time / (peak * rt.world_size) if peak else None,
             "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device),
-            "comm_bytes": par.comm_bytes_last_step(),
+            **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
             **par.router_metrics,  # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops
         }
         bubble = par.bubble_fraction(step_time)
