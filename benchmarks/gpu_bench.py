@@ -1,5 +1,6 @@
 """One GPU: MFU and tokens/s of a ~1B Llama at sequence 4096, eager/compiled x no/full recomputation
-(bf16), and the transformers comparison; writes a Markdown table and a JSON file.
+(bf16), the transformers comparison, and the planner's activation bytes against what the forward
+really keeps on the device; writes a Markdown table and a JSON file.
 
     bash benchmarks/gpu.sh                  # the real thing on one CUDA device (< 8 minutes)
     bash benchmarks/gpu.sh --dry-run        # the same code path, a tiny shape on CPU, seconds
@@ -33,6 +34,9 @@ from vs_transformers import make_config, transformers_round  # noqa: E402
 # In the order they run: if the time budget runs out, the compiled+recomputed one is skipped first.
 VARIANTS = {
     "eager": (False, "none"),
+    # Not a speed run: bytes one batch's forward keeps for backward (train/activation_probe.py)
+    # under each recomputation mode, beside plan/memory.py's prediction for the same layout.
+    "activations": (False, "none"),
     "transformers": (False, "none"),
     "compile": (True, "none"),
     "eager+recompute": (False, "full"),
@@ -46,8 +50,34 @@ DRY = dict(preset=None, model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, 
            seq_len=32, batch=2, steps=3, warmup=1, dtype="bf16", timeout_s=300, budget_s=0)
 
 
+def measure_activations(shape: dict) -> list[dict]:
+    from fivefold.plan import plan_layout
+    from fivefold.plan.layout import layout_from_config
+    from fivefold.train.activation_probe import forward_kept_bytes
+    from fivefold.train.trainer import autocast, setup
+
+    rows = []
+    for mode in ("none", "selective", "full"):
+        cfg = make_config(shape["model"], shape["seq_len"], shape["batch"], shape["steps"], shape["dtype"],
+                          recompute=mode, preset=shape["preset"])
+        rt, par = setup(cfg)
+        batch = torch.randint(0, cfg.model.vocab_size, (shape["batch"], shape["seq_len"] + 1), device=rt.device)
+        kept = forward_kept_bytes(par, batch, lambda: autocast(cfg, rt.device))
+        gpu = "h100" if rt.device.type == "cuda" else "cpu"
+        predicted = plan_layout(cfg, layout_from_config(cfg), gpu=gpu).memory.activations
+        rows.append({"recompute": mode, "measured_bytes": kept, "predicted_bytes": predicted})
+        del par, batch
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
 def run_variant(name: str, shape: dict) -> dict:
     """Runs in the child process: one variant, returns its measurements."""
+    if name == "activations":
+        start = time.perf_counter()
+        return {"variant": name, "activations": measure_activations(shape),
+                "wall_s": time.perf_counter() - start}
     from fivefold.train.metrics import flops_per_token, peak_flops
     from fivefold.train.trainer import train
 
@@ -93,11 +123,20 @@ def table(rows: list[dict], shape: dict, dry: bool) -> str:
         if "error" in row:
             out.append(f"| {row['variant']} | | | | | {row['error']} |")
             continue
+        if "activations" in row:
+            continue  # its own table below
         mfu = f"{row['mfu'] * 100:.1f}%" if row["mfu"] is not None else "n/a"
         mem = f"{row['peak_mem_bytes'] / 2**30:.1f}" if row["peak_mem_bytes"] else "n/a"
         out.append(f"| {row['variant']} | {row['tokens_per_sec']:.0f} | {mfu} | {row['step_time_s']:.3f} "
                    f"| {mem} | ok ({row['wall_s']:.0f} s) |")
-    by = {r["variant"]: r for r in rows if "error" not in r}
+    for row in rows:
+        if "activations" in row:
+            out += ["", "Activation bytes one batch's forward keeps (measured) vs the planner:", "",
+                    "| recompute | measured (GiB) | predicted (GiB) | predicted / measured |",
+                    "|---|---:|---:|---:|"]
+            out += [f"| {a['recompute']} | {a['measured_bytes'] / 2**30:.3f} | {a['predicted_bytes'] / 2**30:.3f} "
+                    f"| {a['predicted_bytes'] / a['measured_bytes']:.3f} |" for a in row["activations"]]
+    by = {r["variant"]: r for r in rows if "error" not in r and "activations" not in r}
     if "transformers" in by:
         best = max((r for n, r in by.items() if n != "transformers"), key=lambda r: r["tokens_per_sec"],
                    default=None)
