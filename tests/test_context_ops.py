@@ -111,10 +111,14 @@ def _masked_reference(q, k, v, causal, dout):
     return out.detach(), scores.logsumexp(-1).detach(), q.grad, k.grad, v.grad
 
 
+@pytest.mark.parametrize("kernel", ["plain", "cpu flash"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_block_math_with_small_query_tiles(monkeypatch, causal):
-    """Tiling the query rows (3 or 4 at a time here) changes nothing."""
+def test_block_math_with_small_query_tiles(monkeypatch, causal, kernel):
+    """Both CPU paths are attention by the book; tiling the plain path's query rows (3 or 4 at a
+    time here) changes nothing."""
     monkeypatch.setattr(attention_blocks, "TILE_ELEMENTS", 250)  # batch 2 x 4 heads x 7-10 keys per row
+    if kernel == "plain":  # the path for devices without a fused kernel
+        monkeypatch.setattr(attention_blocks, "use_cpu_flash_kernel", lambda q: False)
     g = torch.Generator().manual_seed(0)
     q, dout = torch.randn(2, 4, 10, 6, generator=g), torch.randn(2, 4, 10, 6, generator=g)
     lk = 10 if causal else 7

@@ -31,6 +31,7 @@ TWO_RANKS.update({
     "tp2 bf16 selective": _with({"tp": 2}, dtype="bf16", recompute="selective"),
     "cp2 ring": _with({"cp": 2}),
     "cp2 ulysses": _with({"cp": 2, "cp_method": "ulysses"}),
+    "cp2 ring selective": _with({"cp": 2}, recompute="selective"),
     "moe dp2 ep2": {**MOE, **_with({"dp": 2, "ep": 2}, global_batch=4)},
     "moe tp2": {**MOE, **_with({"tp": 2})},
 })

@@ -9,9 +9,10 @@ Shapes: q (batch, heads, Lq, head_dim); k, v (batch, kv_heads, Lk, head_dim) wit
 heads (grouped-query attention). `causal` blocks are square (Lq == Lk, the same token positions):
 query i sees keys 0..i. Other blocks are fully visible. Outputs and LSE are fp32 (accumulators).
 
-Two implementations: plain PyTorch on any device (matmul + logsumexp, tiled over query rows so the
-score matrix stays small), and on CUDA PyTorch's fused memory-efficient attention kernel, which
-returns the LSE itself and takes the global output/LSE in its backward.
+Three implementations: PyTorch's fused kernels, which return the LSE themselves and take the
+global output/LSE in their backward — memory-efficient attention on CUDA, flash attention on CPU
+(computed in fp32 there, like the plain path) — and plain PyTorch for any other device (matmul +
+logsumexp, tiled over query rows so the score matrix stays small).
 """
 
 from __future__ import annotations
@@ -28,10 +29,16 @@ def use_fused_kernel(q: torch.Tensor) -> bool:
     return q.device.type == "cuda"
 
 
+def use_cpu_flash_kernel(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
 def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(output fp32 (b, h, Lq, d), LSE fp32 (b, h, Lq)) of softmax(q kᵀ·scale) v over this block."""
     if use_fused_kernel(q):
         return _fused_forward(q, k, v, causal, scale)
+    if use_cpu_flash_kernel(q):
+        return _cpu_flash_forward(q, k, v, causal, scale)
     return _math_forward(q, k, v, causal, scale)
 
 
@@ -40,6 +47,8 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     these query rows (so probabilities are exp(score - LSE), already normalised over every block)."""
     if use_fused_kernel(q):
         return _fused_backward(dout, q, k, v, out, lse, causal, scale)
+    if use_cpu_flash_kernel(q):
+        return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale)
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
 
 
@@ -155,3 +164,28 @@ def _fused_backward(dout, q, k, v, out, lse, causal, scale):
     dk = dk.float().unflatten(1, (kv_heads, group)).sum(2)
     dv = dv.float().unflatten(1, (kv_heads, group)).sum(2)
     return dq.float(), dk, dv
+
+
+# ---- CPU: PyTorch's flash attention kernel, in fp32 -------------------------------------------------
+# About 3x less CPU time than the plain path per block, and no score tiles for selective
+# recomputation to keep (benchmarks/RESULTS.md, parallel scaling).
+
+def _kv_sum(grad, kv_heads: int):
+    """Gradients of expanded kv heads back to the shared heads (the query group's sum)."""
+    return grad.unflatten(1, (kv_heads, grad.shape[1] // kv_heads)).sum(2)
+
+
+def _cpu_flash_forward(q, k, v, causal, scale):
+    k, v = _expand_kv(k.float(), v.float(), q.shape[1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float(), k, v, 0.0, causal, scale=scale)
+    # Copies: callers merge into these in place, and selective recomputation may keep the kernel's own.
+    return out.clone(memory_format=torch.contiguous_format), lse.clone()
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    kv_heads = k.shape[1]
+    k, v = _expand_kv(k.float(), v.float(), q.shape[1])
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.float(), q.float(), k, v, out.float(), lse.float(), 0.0, causal, scale=scale)
+    return dq, _kv_sum(dk, kv_heads), _kv_sum(dv, kv_heads)
