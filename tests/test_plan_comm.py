@@ -1,6 +1,7 @@
 """Issue 9's check of communication against our own runs: the planner's bytes per rank per step
-for tp (with and without sequence parallelism, fp32 and bf16), cp (each method), pp (each schedule kind) and ep
-equal what the ledger measures in training (the dp stages are checked in test_data_parallel.py).
+for tp (with and without sequence parallelism, fp32 and bf16), cp (each method), pp (each
+schedule kind) and ep equal what the ledger measures in training (the dp stages are checked in
+test_data_parallel.py).
 
 Small differences are real traffic the planner leaves out on purpose: scalar all-reduces of the
 loss (8 bytes) and of the vocab-parallel softmax (a float per token and rank), and the token

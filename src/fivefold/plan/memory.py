@@ -176,7 +176,8 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
         return h / s * S
     if stats.is_moe(layer):  # replicated over tp (parallel/expert.py): whole, not split by t or s
         f = stats.expert_params / (3 * h)
-        k, n_shared, n_experts = stats.top_k, stats.shared_expert_params / stats.expert_params, stats.n_experts
+        k, n_experts = stats.top_k, stats.n_experts
+        n_shared = stats.shared_expert_params / stats.expert_params
         mlp = ((3 * k * h + 4 * k * f + n_shared * 4 * f) * A
                + 4 * n_experts + 41 * k + 4)  # routing bookkeeping: scores, top-k, sort (int64)
         mlp_selective = (k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A

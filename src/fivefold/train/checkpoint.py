@@ -116,8 +116,9 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
             from datetime import timedelta
 
             _async_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
-        staged = {k: sharded_io.Pieces(p.shape, p.dtype, [(o, t.detach().to("cpu", copy=True)) for o, t in p.boxes])
-                  for k, p in tensors.items()}
+        staged = {k: sharded_io.Pieces(p.shape, p.dtype, [(o, t.detach().to("cpu", copy=True))
+                                                          for o, t in p.boxes])
+                  for k, p in tensors.items()}  # host copies: training may change the originals
         _writer = threading.Thread(target=_write_catching, name="checkpoint-writer",
                                    args=(cfg, root, tmp, final, staged, state, is_main, _async_group))
         _writer.start()
