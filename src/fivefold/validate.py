@@ -188,10 +188,6 @@ def _check_pipeline(cfg: Config) -> None:
         _require(n_micro % rounds == 0, f"parallel.pp_schedule='{name}' runs micro-batches in rounds of "
                  f"parallel.pp={p.pp}: {n_micro} micro-batches per step must be fewer than pp or a "
                  f"multiple of pp; {fix}")
-    if name in ("zb", "zbv", "dualpipev"):
-        _require(p.zero < 3, f"parallel.zero=3 with parallel.pp_schedule='{name}' is not supported: "
-                 "FSDP2 reduces a stage's gradients before the schedule's separate weight-gradient "
-                 "pass; use parallel.zero 1 or 2, or pp_schedule 'interleaved_1f1b'")
 
 
 def _check_data(cfg: Config) -> None:

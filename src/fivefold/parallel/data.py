@@ -195,5 +195,9 @@ def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: C
 
         return ShardedOptimizerDataParallel(parts, dims, mesh, shard_grads=zero == 2)
     from fivefold.parallel.fsdp import FullyShardedDataParallel
+    from fivefold.plan.layout import SPLIT_BACKWARD_SCHEDULES
 
-    return FullyShardedDataParallel(parts, dims, mesh)
+    # Schedules that split backward into an input pass and a later weight pass find the weights
+    # through the stage's parameters when the input pass starts: blocks must still be unsharded then.
+    split_backward = dims.pp > 1 and cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES
+    return FullyShardedDataParallel(parts, dims, mesh, reshard_after_forward=not split_backward)

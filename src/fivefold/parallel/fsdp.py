@@ -2,6 +2,10 @@
 
 Each transformer block is one FSDP unit (gathered just before it runs, freed right after forward,
 gathered again for backward); the root unit holds the embedding, final norm and output layer.
+Under the zero-bubble pipeline schedules blocks stay gathered from forward to backward
+(`reshard_after_forward=False`): their backward is split into an input pass and a weight pass, and
+PyTorch's pipeline stage collects the weights for the second from the module's parameters at the
+start of the first — sharded ones would be missed, and their gradients silently lost.
 With dp_replicate > 1 the mesh is 2-D and FSDP2 runs HSDP: shard inside, replicate across.
 """
 
@@ -13,7 +17,7 @@ from fivefold.parallel.data import DataParallel
 
 
 class FullyShardedDataParallel(DataParallel):
-    def __init__(self, parts, dims, mesh):
+    def __init__(self, parts, dims, mesh, reshard_after_forward: bool = True):
         hsdp = dims.dp_replicate > 1
         # cp ranks hold the same weights as their dp peers, so they shard them together.
         self.dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if hsdp else mesh["dp_shard_cp"]
@@ -23,12 +27,12 @@ class FullyShardedDataParallel(DataParallel):
                 if dims.ep > 1 and experts is not None:
                     # Expert weights: sharded over the ranks holding the same experts, gradients summed
                     # there and divided by all dp·cp ranks (an expert saw its whole ep group's tokens).
-                    fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=True)
+                    fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=reshard_after_forward)
                     experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
                     # Sum, then divide (gloo has no PREMUL_SUM); not on one rank, where FSDP divides
                     # without communicating and a forced sum would divide a second time.
                     experts.set_force_sum_reduction_for_comms(mesh["edp"].size() > 1)
-                fully_shard(block, mesh=self.dp_mesh, reshard_after_forward=True)
+                fully_shard(block, mesh=self.dp_mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(part, mesh=self.dp_mesh)
         super().__init__(parts, dims)  # parameters are DTensors from here on
         self.name = (f"zero 3 (FSDP2): parameters, gradients and optimizer state sharded over "

@@ -145,13 +145,14 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
             hidden += reductions * comm.gather_time(grads, link, hw, eff)
             exposed += comm.gather_time(weights, link, hw, eff)
         else:
-            # fivefold's FSDP2 units: every block is gathered in forward and again in backward;
-            # the root unit (embedding, norm, output) stays gathered from forward to backward.
+            # fivefold's FSDP2 units: every block is gathered in forward and again in backward
+            # (once under the zero-bubble schedules, which keep blocks gathered in between); the
+            # root unit (embedding, norm, output) stays gathered from forward to backward.
             # Gradients are reduce-scattered once, after the step's last micro-batch.
-            regathered = weights - unit_root * pr.param_bytes
+            regathered = 0.0 if layout.split_backward else weights - unit_root * pr.param_bytes
             total_bytes += (n - 1) / n * (grads + m * (weights + regathered))
             hidden += m * (comm.gather_time(grads, link, hw, eff)
-                           + 2 * comm.gather_time(weights, link, hw, eff))
+                           + (1 if layout.split_backward else 2) * comm.gather_time(weights, link, hw, eff))
         if replicas > 1 and layout.zero > 0:
             total_bytes += 2 * (replicas - 1) / replicas * grads / n
             hidden += comm.all_reduce_time(grads / n, replica_link, hw, eff)

@@ -15,6 +15,11 @@ from fivefold.config import Config, ConfigError
 RECOMPUTE = ("none", "selective", "full")
 
 
+# Pipeline schedules whose backward is split into input and weight passes (shared with training:
+# under them FSDP keeps blocks gathered from forward to backward, parallel/fsdp.py).
+SPLIT_BACKWARD_SCHEDULES = ("zb", "zbv", "dualpipev")
+
+
 @dataclass(frozen=True)
 class Layout:
     dp: int = 1
@@ -31,6 +36,11 @@ class Layout:
     sp: bool = True
     cp_method: str = "ring"
     pp_layers: str = ""  # layers per pipeline chunk, e.g. "7,9,9,7"; empty = balance by FLOPs
+
+    @property
+    def split_backward(self) -> bool:
+        """A zero-bubble schedule: backward split into an input pass and a later weight pass."""
+        return self.pp > 1 and self.pp_schedule in SPLIT_BACKWARD_SCHEDULES
 
     @property
     def world_size(self) -> int:

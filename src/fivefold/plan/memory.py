@@ -256,6 +256,12 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
         # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.
         layer = max(sum(layer_param_counts(stats, layout, i)) for i, _ in prank.kinds)
         other += layer * (2 * pr.param_bytes + pr.reduce_bytes)
+        if layout.pp > 1:
+            # PyTorch's pipeline stage reduce-scatters once, after the step's last backward: the
+            # stage's unsharded gradients accumulate until then.
+            other += (dense + experts) * pr.reduce_bytes
+        if layout.split_backward:  # blocks stay gathered from forward to backward (fsdp.py)
+            other += (dense + experts) * pr.param_bytes
     return MemoryBreakdown(params=state["params"], grads=state["grads"],
                            optimizer=state["optimizer"], activations=saved, other=other,
                            pipeline_rank=rank,
