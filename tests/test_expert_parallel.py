@@ -31,6 +31,10 @@ TWO_RANKS = [
     # Recomputation repeats the all-to-alls inside backward; router statistics must not double.
     moe_layout({"dp": 2, "ep": 2}, {"recompute": "full", "micro_batch": 2}, capacity_factor=1.0),
     moe_layout({"dp": 2, "ep": 2}, {"recompute": "selective"}, balance="bias"),
+    # Context parallelism splits each sequence: the per-sequence auxiliary loss adds its routing
+    # statistics over the cp ranks (parallel/context.py).
+    moe_layout({"cp": 2}),
+    moe_layout({"cp": 2, "ep": 2}, score="sigmoid"),
 ]
 FOUR_RANKS = [
     moe_layout({"dp": 4, "ep": 4}),
@@ -40,6 +44,7 @@ FOUR_RANKS = [
     moe_layout({"dp": 2, "tp": 2, "ep": 2, "zero": 1}, capacity_factor=1.0),  # sequence parallel on
     moe_layout({"dp": 2, "tp": 2, "ep": 2, "sp": False}, balance="bias"),
     moe_layout({"dp": 2, "cp": 2, "ep": 4}, balance="bias"),
+    moe_layout({"dp": 2, "cp": 2, "ep": 4}),  # aux loss over cp, 2 sequences per dp rank
     moe_layout({"dp": 2, "cp": 2, "ep": 2, "zero": 3}, balance="none"),
     moe_layout({"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "1f1b"}, {"micro_batch": 1}, capacity_factor=1.0),
     moe_layout({"dp": 2, "pp": 2, "ep": 2, "zero": 1, "pp_schedule": "1f1b"}, {"micro_batch": 2},
@@ -155,7 +160,7 @@ def test_bad_moe_settings_one_sentence(overrides, message):
 @pytest.mark.parametrize("overrides,message", [
     ({"model": {"moe": MOE}, "parallel": {"dp": 2, "tp": 2, "ep": 4}}, "parallel.ep=4 must divide parallel.dp*cp=2"),
     ({"model": {"moe": MOE}, "parallel": {"dp": 4, "dp_shard": 2, "zero": 1, "ep": 2}}, "HSDP"),
-    ({"model": {"moe": MOE}, "parallel": {"cp": 2}}, "MoE with parallel.cp > 1"),
+    ({"model": {"moe": {**MOE, "capacity_factor": 1.0}}, "parallel": {"cp": 2}}, "MoE with parallel.cp > 1"),
 ])
 def test_unsupported_moe_layouts_refused(overrides, message):
     cfg = tiny_config(overrides)

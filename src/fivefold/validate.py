@@ -243,7 +243,6 @@ def check_supported(cfg: Config) -> None:
         _require(not p.dp_shard or p.dp_shard == p.dp, "parallel.ep > 1 with HSDP (parallel.dp_shard < "
                  "parallel.dp) is not available yet; set parallel.dp_shard=0 or parallel.ep=1")
     if m.moe.n_experts > 0 and p.cp > 1:
-        # Capacity and the auxiliary loss are decided per whole sequence; cp splits sequences.
-        _require(m.moe.capacity_factor == 0 and m.moe.balance != "aux_loss", "MoE with parallel.cp > 1 "
-                 "supports dropless routing with balance 'bias' or 'none' for now; set "
-                 "model.moe.capacity_factor=0 and model.moe.balance='bias', or parallel.cp=1")
+        # Capacity keeps a sequence's first tokens per expert; cp splits sequences across ranks.
+        _require(m.moe.capacity_factor == 0, "MoE with parallel.cp > 1 supports dropless routing only "
+                 "for now; set model.moe.capacity_factor=0, or parallel.cp=1")

@@ -169,6 +169,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_experts, dim, hidden)
         self.shared = FeedForward(dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_grad_scale = 1.0  # set by the training loop: 1/micro-batches per step
+        self.sequence_sum = None  # set when sequences are split over ranks (sequence_aux_loss)
         self.stats: list[RouterStats] = []  # one per forward since the last take_stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +178,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         scores, indices, weights = self.router(tokens)
         keep = capacity_keep(indices.view(batch, seq, k), n_experts, self.capacity(seq)).reshape(-1)
-        aux = (sequence_aux_loss(scores.view(batch, seq, -1), indices.view(batch, seq, k), self.cfg)
+        aux = (sequence_aux_loss(scores.view(batch, seq, -1), indices.view(batch, seq, k), self.cfg,
+                                 self.sequence_sum)
                if self.cfg.balance == "aux_loss" else None)
         if _counts_for_stats():
             self._record(indices, keep, aux)
@@ -245,17 +247,26 @@ def capacity_keep(indices: torch.Tensor, n_experts: int, capacity: int | None) -
     return (rank < capacity).view(batch, k, seq).transpose(1, 2)
 
 
-def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, cfg: MoEConfig,
+                      sequence_sum=None) -> torch.Tensor:
     """Switch/GShard load-balancing loss per sequence, averaged over the sequences:
     coeff · E · Σ_e f_e · P_e, f_e = share of the sequence's k·seq assignments that chose e,
     P_e = mean routing probability of e over its tokens (sigmoid scores normalised per token).
-    Uniform routing gives exactly `coeff`."""
+    Uniform routing gives exactly `coeff`.
+
+    `sequence_sum`, when given, adds a per-sequence statistic over every holder of a piece of
+    the sequence (differentiably), for a sequence split over ranks; None: this is the whole
+    sequence."""
     batch, seq, k = indices.shape
     probs = scores if cfg.score == "softmax" else scores / scores.sum(-1, keepdim=True)
     with torch.no_grad():
-        chosen = F.one_hot(indices, cfg.n_experts).sum(2).float()  # (batch, seq, E)
-        fraction = chosen.sum(1) / (seq * k)  # (batch, E)
-    per_sequence = cfg.n_experts * (fraction * probs.mean(1)).sum(-1)
+        chosen = F.one_hot(indices, cfg.n_experts).sum((1, 2)).float()  # (batch, E)
+    prob_sums = probs.sum(1)  # (batch, E)
+    tokens = torch.full((batch, 1), float(seq), device=scores.device)
+    if sequence_sum is not None:
+        chosen, prob_sums, tokens = sequence_sum(chosen), sequence_sum(prob_sums), sequence_sum(tokens)
+    fraction = chosen.detach() / (tokens.detach() * k)
+    per_sequence = cfg.n_experts * (fraction * prob_sums / tokens.detach()).sum(-1)
     return cfg.aux_loss_coeff * per_sequence.mean()
 
 

@@ -13,6 +13,8 @@ ring (parallel/ring_attention.py), all-gather or Ulysses (parallel/gathered_atte
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -79,7 +81,17 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh, method: str) -> None:
-    """Swap every block's attention core for the context-parallel one over `cp_mesh`."""
+    """Swap every block's attention core for the context-parallel one over `cp_mesh`, and let MoE
+    layers add their per-sequence routing statistics over the cp ranks (the auxiliary loss is
+    decided per whole sequence)."""
+    from torch.distributed.nn.functional import all_reduce
+
+    from fivefold.models.moe import moe_layers
+
     group = cp_mesh.get_group()
     for block in model.layers.values():
         block.attention.core = ContextParallelAttention(group, method)
+    for moe in moe_layers(model):
+        # Differentiable: backward sums the gradient over the cp ranks too; with gradients then
+        # averaged over dp·cp, each token's router gradient comes out as in one process.
+        moe.sequence_sum = functools.partial(all_reduce, group=group)
