@@ -279,8 +279,12 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
         return 0
     boxes.install(optimizer, state.get("optimizer_step", state["step"]))
     sampler.load_state_dict(state["sampler"])
+    # Every parameter group has the same schedule, but how many groups there are depends on the
+    # layout (train/optim.py: one per kind of tensor): the first group's values stand for all.
+    saved, n_groups = state["scheduler"], len(optimizer.param_groups)
     sched = scheduler.state_dict()
-    sched.update(state["scheduler"])
+    sched.update(last_epoch=saved["last_epoch"], _step_count=saved["_step_count"],
+                 base_lrs=[saved["base_lrs"][0]] * n_groups, _last_lr=[saved["_last_lr"][0]] * n_groups)
     scheduler.load_state_dict(sched)
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # LambdaLR's load_state_dict restores its counters, not the groups' lr
