@@ -14,10 +14,11 @@ they carry their own autograd (an all-gather's backward is a reduce-scatter and 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 
 _c10d = torch.ops._c10d_functional
 
@@ -31,10 +32,7 @@ class TensorParallelGroup:
         self.size = tp_mesh.size()
         self.name = tp_mesh.get_group().group_name
         self.sequence_parallel = sequence_parallel
-        # gloo (CPU) runs a reduce-scatter as a whole all-reduce followed by a slice: 2.4x the time
-        # of an all-to-all of the same tensor plus a local sum, which moves (tp-1)/tp of it, the
-        # textbook volume (measured on 2 ranks, 1 MiB per rank: benchmarks/RESULTS.md).
-        self.scatter_by_all_to_all = dist.get_backend(tp_mesh.get_group()) == "gloo"
+        self.scatter_by_all_to_all = reduce_scatter_via_all_to_all(tp_mesh.get_group())
 
     # The collectives, along dim 0 (the layout NCCL and gloo gather and scatter without copies),
     # on values without autograd; the autograd functions below pair them up.

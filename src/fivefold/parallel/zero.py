@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.parallel.data import DataParallel
+from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 from fivefold.parallel.grad_norm import (clip_coefficient, global_norm,
                                          settle_grad_layout, weighted_square_sum)
 
@@ -79,8 +80,14 @@ class ShardedOptimizerDataParallel(DataParallel):
             bucket.pack_grads(scale=bucket.scale)
             for param in bucket.params:
                 param.grad = None  # the bucket holds these gradients now
-            received = torch.empty_like(chunk)
-            handle = _reduce_scatter(received, bucket.buffer, group=bucket.group, async_op=True)
+            if reduce_scatter_via_all_to_all(bucket.group):
+                # Every rank's copy of this rank's chunk, summed when it arrives; the receive
+                # buffer is a whole bucket for as long as the collective is in flight.
+                received = torch.empty_like(bucket.buffer)
+                handle = dist.all_to_all_single(received, bucket.buffer, group=bucket.group, async_op=True)
+            else:
+                received = torch.empty_like(chunk)
+                handle = _reduce_scatter(received, bucket.buffer, group=bucket.group, async_op=True)
             self._pending.append((index, received, handle))
             self._next_bucket += 1
 
@@ -88,6 +95,8 @@ class ShardedOptimizerDataParallel(DataParallel):
         for index, received, handle in self._pending:
             handle.wait()
             chunk = self.chunks[index]
+            if received.numel() != chunk.numel():  # the all-to-all's pieces
+                received = received.view(-1, chunk.numel()).sum(0)
             chunk.grad = received if chunk.grad is None else chunk.grad.add_(received)
             if self.shard_grads:
                 self.buckets[index].release()  # whole gradients never outlive their bucket
