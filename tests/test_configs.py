@@ -46,3 +46,21 @@ def test_demo_uses_all_five_dimensions():
     cfg = load_config(str(Path(CONFIGS[0]).parent / "demo.toml"), [])
     p = cfg.parallel
     assert min(p.dp, p.tp, p.pp, p.cp, p.ep) > 1 and cfg.model.moe.n_experts > 0
+
+
+@pytest.mark.parametrize("name", REAL_MODELS)
+def test_real_config_fits_and_its_comment_quotes_the_planner(name):
+    """Each real model's layout is one the planner says fits its cluster, and the tokens/s and MFU
+    its comment quotes are the planner's (a change to the planner or the config updates both)."""
+    from fivefold.plan import plan_layout
+    from fivefold.plan.layout import layout_from_config
+
+    path = CONFIGS[0].parent / f"{name}.toml"
+    cfg = load_config(str(path), [])
+    estimate = plan_layout(cfg, layout_from_config(cfg))
+    assert estimate.fits, f"{name}: needs {estimate.memory.total / 1e9:.1f} GB per GPU"
+    quoted = re.search(r"([\d,]+) tokens/s/GPU, MFU ([\d.]+)%", path.read_text())
+    assert quoted, f"{name}: the comment quotes no 'N tokens/s/GPU, MFU X%'"
+    tokens, mfu = float(quoted.group(1).replace(",", "")), float(quoted.group(2))
+    assert abs(tokens - estimate.tokens_per_sec_per_gpu) <= 0.01 * tokens, (name, estimate.tokens_per_sec_per_gpu)
+    assert abs(mfu - 100 * estimate.mfu) <= 0.1, (name, estimate.mfu)

@@ -97,6 +97,22 @@ def test_four_ranks(four_rank_results, index):
         assert_same_run(runs[index], want, label=f"{_label(FOUR_RANKS[index])} rank {rank}")
 
 
+@pytest.mark.parametrize("index", [4, 5, 2], ids=["dp2 tp2 ep2 zero1", "dp2 tp2 ep2 no-sp", "dp4 ep2 zero3"])
+def test_planner_predicts_measured_moe_state(four_rank_results, index):
+    """The planner's parameter / gradient / optimizer bytes per rank within 10% of what training
+    holds: MoE layers replicated over tp (router, shared and routed experts whole on each tp
+    rank), experts split over ep and their state sharded over the expert-data-parallel ranks."""
+    from fivefold.plan import plan_layout
+    from fivefold.plan.layout import layout_from_config
+
+    cfg = tiny_config(FOUR_RANKS[index])
+    predicted = plan_layout(cfg, layout_from_config(cfg), gpu="cpu").memory
+    for part in ("params", "grads", "optimizer"):
+        measured = max(runs[index].state_bytes[part] for runs in four_rank_results)
+        got = getattr(predicted, part)
+        assert abs(got - measured) <= 0.10 * measured, f"{part}: predicted {got:,.0f}, measured {measured:,.0f}"
+
+
 def test_each_ep_rank_holds_different_experts(two_rank_results):
     import torch
 

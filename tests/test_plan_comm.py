@@ -26,11 +26,15 @@ TWO_RANKS = {
     "pp2 interleaved": {"model": FOUR_LAYERS, "parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b",
                                                            "pp_virtual": 2}, "train": {"micro_batch": 2}},
     "dp2 ep2": {"model": {"moe": MOE}, "parallel": {"dp": 2, "ep": 2}},
+    # MoE layers run replicated over tp: 2 gathers per MoE layer with sp, none without
+    "moe tp2": {"model": {"moe": MOE}, "parallel": {"tp": 2}},
+    "moe tp2 no-sp": {"model": {"moe": MOE}, "parallel": {"tp": 2, "sp": False}},
 }
 FOUR_RANKS = {
     "cp4 ring": {"parallel": {"cp": 4}},
     "tp2 pp2": {"model": FOUR_LAYERS, "parallel": {"tp": 2, "pp": 2}, "train": {"micro_batch": 2}},
     "tp2 cp2": {"parallel": {"tp": 2, "cp": 2}},
+    "moe dp2 tp2 ep2": {"model": {"moe": MOE}, "parallel": {"dp": 2, "tp": 2, "ep": 2}},  # each tp rank routes all tokens
 }
 
 

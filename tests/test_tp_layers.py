@@ -1,5 +1,5 @@
 """The tensor-parallel block collectives (parallel/tp_layers.py) against the whole tensors they stand
-for, forward and backward, on 2 gloo ranks: with and without sequence parallelism, and with both
+for, forward and backward, on 2 and 4 gloo ranks: with and without sequence parallelism, and with both
 reduce-scatters (the all-to-all one gloo uses, and the native one NCCL uses, which gloo also runs)."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Tensor-parallel layers of a transformer block that compute on plain local tensors.
+"""Tensor-parallel layers (blocks, vocab-parallel embedding and output) computing on plain local tensors.
 
 The weights are DTensors, so FSDP2, sharded checkpoints, the gradient norm and the optimizer see
 their layout as before; but forward and backward run on the local shards, with one explicit
 collective at each boundary of the tensor-parallel region (Megatron's layout). Letting DTensor
-propagate shardings through every operator of a block instead cost ~90 ms of Python per step on a
-tp=2 CPU rank, against ~10 ms of communication (benchmarks/RESULTS.md, run E).
+propagate shardings through every operator instead cost a tp=2 CPU rank 67 ms per step, and the
+rank ran 1.18x slower (benchmarks/RESULTS.md, run F).
 
 The collectives are PyTorch's functional ones (`_c10d_functional`, the ops DTensor itself issues):
 they carry their own autograd (an all-gather's backward is a reduce-scatter and vice versa), torch
@@ -76,7 +76,6 @@ class TensorParallelGroup:
     def scatter_tokens(self, partial: torch.Tensor) -> torch.Tensor:
         """The inverse of `gather_tokens` for per-rank partial sums."""
         return _ScatterSums.apply(partial, self) if self.sequence_parallel else _SumValues.apply(partial, self)
-
 
 
 class _GatherChunks(torch.autograd.Function):

@@ -61,15 +61,17 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     n_moe = prank.moe_layers
     tokens_mb = layout.mbs * seq  # one micro-batch of one data-parallel rank
     tokens_local = tokens_mb / layout.cp
-    seq_split = layout.tp if (layout.tp > 1 and layout.sp) else 1
     shards = layout.tp * layout.cp
     achieved = hw.peak_flops * hw.matmul_efficiency
 
-    flops = sum(count * stats.layer_flops_per_token(layer, seq) for layer, count in groups)
-    flops *= 4 / 3 if layout.recompute == "full" else 1.0  # full recomputation: a second forward
+    # MoE layers run replicated over tp (parallel/expert.py): their work splits over cp only.
+    moe_flops = sum(count * stats.moe_flops_per_token(layer) for layer, count in groups)
+    flops = sum(count * stats.layer_flops_per_token(layer, seq) for layer, count in groups) - moe_flops
+    recomputed = 4 / 3 if layout.recompute == "full" else 1.0  # full recomputation: a second forward
+    per_token = recomputed * (flops / shards + moe_flops / layout.cp)
     if prank.has_output:
-        flops += stats.output_flops_per_token
-    compute = flops * tokens_mb / shards / achieved
+        per_token += stats.output_flops_per_token / shards
+    compute = per_token * tokens_mb / achieved
     # Elementwise work (norms, residuals, RoPE, SwiGLU, casts, the loss) is bound by memory
     # bandwidth: a few passes over the activations each layer saves, and over the logits.
     traffic = (rank_activation_elements(stats, prank, layout, seq, "none", hw.fused_attention)
@@ -81,8 +83,10 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
 
     # Tensor parallelism: 8 collectives per layer and 2 for the output projection in the compute
     # dtype, 2 for the vocab-parallel embedding in the residual stream's (the weights') dtype; each
-    # an all-gather or reduce-scatter of the micro-batch's hidden states.
-    n_tp = 8 * n_layers + 2 * prank.has_output
+    # an all-gather or reduce-scatter of the micro-batch's hidden states (an all-reduce counts 2).
+    # A MoE layer's MLP part runs replicated: under sequence parallelism it gathers its input in
+    # forward and its output's gradient in backward (2), without it nothing.
+    n_tp = 8 * n_layers - (2 if layout.sp else 4) * n_moe + 2 * prank.has_output
     n_stream = 2 * prank.has_embedding
     tp_b = (n_tp * comm.tp_bytes_per_collective(layout, tokens_local, stats.dim, pr.act_bytes)
             + n_stream * comm.tp_bytes_per_collective(layout, tokens_local, stats.dim, pr.param_bytes))
@@ -96,8 +100,8 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     if layout.cp_method == "ring":
         cp_t = max(0.0, cp_t - attention)  # ring attention hides the passes behind its blocks
 
-    ep_one = comm.ep_bytes_per_moe_layer(layout, tokens_local / seq_split, stats.dim, stats.top_k,
-                                         pr.act_bytes)
+    # Every tp rank routes all of the micro-batch's tokens (the MoE layer runs replicated over tp).
+    ep_one = comm.ep_bytes_per_moe_layer(layout, tokens_local, stats.dim, stats.top_k, pr.act_bytes)
     ep_b = n_moe * ep_one
     ep_t = n_moe * 4 * comm.all_to_all_time(ep_one / 4, links["ep"], hw)  # 4 exchanges/layer
 

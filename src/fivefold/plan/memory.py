@@ -67,19 +67,16 @@ class MemoryBreakdown:
 
 # ----------------------------------------------------------------------------------- parameters
 
-def expert_tp(layout: Layout) -> int:
-    """Experts are split across tp too, unless ep is so large that it borrows the tp ranks."""
-    return layout.tp if (layout.dp * layout.cp) % layout.ep == 0 else 1
-
-
 def layer_param_counts(stats: ModelStats, layout: Layout, layer: int) -> tuple[float, float]:
-    """(dense, expert) parameters of one layer held by one rank."""
+    """(dense, expert) parameters of one layer held by one rank. A MoE layer runs replicated over
+    tp (parallel/expert.py): each tp rank holds the router, the shared experts and its ep share of
+    the routed experts whole."""
     t = layout.tp
     dense = stats.attention_params / t + stats.norm_params
     if not stats.is_moe(layer):
         return dense + stats.dense_mlp_params / t, 0.0
-    dense += stats.router_params + stats.shared_expert_params / t
-    return dense, stats.n_experts / layout.ep * stats.expert_params / expert_tp(layout)
+    dense += stats.router_params + stats.shared_expert_params
+    return dense, stats.n_experts / layout.ep * stats.expert_params
 
 
 def rank_param_counts(stats: ModelStats, layout: Layout, prank: PipelineRank) -> tuple[float, float]:
@@ -106,9 +103,8 @@ def root_params(stats: ModelStats, layout: Layout, prank: PipelineRank) -> float
 
 def expert_shard_degree(layout: Layout) -> int:
     """Ranks an expert's ZeRO-sharded state is split over: the data-parallel ranks that hold
-    the same experts (dp_shard x cp, plus tp when ep borrowed it, over ep)."""
-    borrow = layout.tp if expert_tp(layout) == 1 else 1
-    return max(1, layout.shard_degree * borrow // layout.ep)
+    the same experts (dp_shard x cp over ep; ep borrows from dp·cp only)."""
+    return max(1, layout.shard_degree // layout.ep)
 
 
 def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts: float) -> dict:

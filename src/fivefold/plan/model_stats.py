@@ -76,6 +76,12 @@ class ModelStats:
         the way the Playbook's MFU counts them: 12 * h * s per layer (h = heads x head_dim)."""
         return 12.0 * self.n_heads * self.head_dim * seq_len
 
+    def moe_flops_per_token(self, layer: int) -> float:
+        """The MoE part of a layer (router, shared experts, the top-k routed experts); 0 if dense."""
+        if not self.is_moe(layer):
+            return 0.0
+        return 6.0 * (self.router_params + self.shared_expert_params + self.top_k * self.expert_params)
+
     def layer_flops_per_token(self, layer: int, seq_len: int) -> float:
         return 6.0 * self.layer_params(layer, active_only=True) + self.attention_flops_per_token(seq_len)
 

@@ -280,7 +280,7 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     boxes.install(optimizer, state.get("optimizer_step", state["step"]))
     sampler.load_state_dict(state["sampler"])
     # Every parameter group has the same schedule, but how many groups there are depends on the
-    # layout (train/optim.py: one per kind of tensor): the first group's values stand for all.
+    # layout (train/optim.py: plain and DTensor parameters apart): the first group's values stand for all.
     saved, n_groups = state["scheduler"], len(optimizer.param_groups)
     sched = scheduler.state_dict()
     sched.update(last_epoch=saved["last_epoch"], _step_count=saved["_step_count"],

@@ -17,17 +17,17 @@ def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
     """
     # One fused kernel for the whole update, on GPU and on CPU alike: on CPU, PyTorch's default
     # (a Python loop of ~10 ops per parameter) costs 3x the fused kernel (benchmarks/RESULTS.md, "Speed").
-    # DTensor parameters (tensor parallel, FSDP2) get the fused kernel too, but one call may not mix
-    # them with plain tensors or DTensors of another mesh ("got mixed torch.Tensor and DTensor"),
-    # so each kind gets its own parameter group (same hyperparameters).
+    # DTensor parameters (tensor parallel, FSDP2; any meshes and placements) get the fused kernel
+    # too, but one call may not mix them with plain tensors ("got mixed torch.Tensor and DTensor"):
+    # plain and DTensor parameters go into two parameter groups with the same hyperparameters.
+    from torch.distributed.tensor import DTensor
+
     params = list(params)
     fused = True if params and params[0].device.type in ("cpu", "cuda") else None
-    groups: dict[object, list] = {}
-    for param in params:
-        groups.setdefault(getattr(param, "device_mesh", None), []).append(param)
-    return torch.optim.AdamW([{"params": group} for group in groups.values()] or params, lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=cfg.weight_decay,
-                             fused=fused)
+    kinds = [[p for p in params if not isinstance(p, DTensor)], [p for p in params if isinstance(p, DTensor)]]
+    groups = [{"params": kind} for kind in kinds if kind]
+    return torch.optim.AdamW(groups or params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                             weight_decay=cfg.weight_decay, fused=fused)
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
