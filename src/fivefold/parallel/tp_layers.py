@@ -131,6 +131,14 @@ class _SumValues(torch.autograd.Function):
         return grad, None
 
 
+def _laid_out(layer: nn.Module, group: TensorParallelGroup, placement) -> nn.Parameter:
+    """`layer`'s weight as a DTensor over the tp ranks; every rank holds the whole weight already
+    (initialisation is seeded per name), so each keeps its slice without communicating."""
+    if getattr(layer, "bias", None) is not None:
+        raise ValueError("tensor-parallel layers carry no bias (the model has none)")
+    return nn.Parameter(distribute_tensor(layer.weight.detach(), group.mesh, [placement], src_data_rank=None))
+
+
 def _local(weight: torch.Tensor, **kwargs) -> torch.Tensor:
     # Under FSDP2 + tp the gathered weight is a DTensor over the tp mesh, as it is without FSDP2.
     return weight.to_local(**kwargs)
@@ -141,10 +149,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group: TensorParallelGroup):
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("tensor-parallel linear layers carry no bias (the model has none)")
-        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), group.mesh, [Shard(0)],
-                                                     src_data_rank=None))
+        self.weight = _laid_out(linear, group, Shard(0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, _local(self.weight))
@@ -155,10 +160,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group: TensorParallelGroup, reduce):
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("tensor-parallel linear layers carry no bias (the model has none)")
-        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), group.mesh, [Shard(1)],
-                                                     src_data_rank=None))
+        self.weight = _laid_out(linear, group, Shard(1))
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,8 +173,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding, group: TensorParallelGroup, reduce):
         super().__init__()
-        self.weight = nn.Parameter(distribute_tensor(embedding.weight.detach(), group.mesh, [Shard(0)],
-                                                     src_data_rank=None))
+        self.weight = _laid_out(embedding, group, Shard(0))
         self.first_row = group.mesh.get_local_rank() * (embedding.num_embeddings // group.size)
         self.reduce = reduce
 
@@ -204,8 +205,7 @@ class SequenceShardedRMSNorm(nn.Module):
     def __init__(self, norm: nn.RMSNorm, group: TensorParallelGroup):
         super().__init__()
         self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
-        self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), group.mesh, [Replicate()],
-                                                     src_data_rank=None))
+        self.weight = _laid_out(norm, group, Replicate())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.normalized_shape, _local(self.weight, grad_placements=[Partial()]), self.eps)
