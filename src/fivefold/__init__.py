@@ -4,7 +4,8 @@ __version__ = "0.1.0"
 
 
 def load_pretrained(path):
-    """The single-device model of a Hugging Face checkpoint folder or a fivefold checkpoint."""
+    """The single-device model of a Hugging Face checkpoint folder or a fivefold checkpoint, read
+    tensor by tensor into a meta-device model (peak memory: the model plus one tensor)."""
     from pathlib import Path
 
     if (Path(path) / "state.json").is_file() or (Path(path) / "latest").is_file():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from fivefold.config import ConfigError, load_config, to_toml, validate
@@ -12,6 +13,7 @@ USAGE = """usage:
   fivefold train [CONFIG] --nproc N --nnodes M --node-rank R --rdzv HOST:PORT [...]   (one per node)
   fivefold config show [CONFIG] [--section.key VALUE ...]
   fivefold layout [CONFIG] [--nproc N] [--all] [--section.key VALUE ...]   (rank map, no training)
+  fivefold layout CONFIG --build [--rank R] [--json]   (build rank R's real shard here; what it holds)
   fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--layout "dp=8,tp=2,..."] [--json]
   fivefold convert SRC DST   (fivefold checkpoint <-> Hugging Face folder, direction from SRC)
   fivefold viz schedule --schedule 1f1b --pp 4 [--virtual 1] [--micro-batches 8] --out FILE.png
@@ -84,11 +86,25 @@ def cmd_layout(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fivefold layout", add_help=False)
     parser.add_argument("--nproc", type=int, default=0)  # 0: the config's own dp*tp*pp*cp
     parser.add_argument("--all", action="store_true")
+    parser.add_argument("--build", action="store_true")  # build one rank's real shard here
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
     own, rest = parser.parse_known_args(args)
     config_path, overrides = _split_config(rest)
     cfg = load_config(config_path, overrides)
     p = cfg.parallel
-    validate(cfg, own.nproc or p.dp * p.tp * p.pp * p.cp)
+    world = own.nproc or p.dp * p.tp * p.pp * p.cp
+    validate(cfg, world)
+    if own.build:
+        if not 0 <= own.rank < world:
+            raise ConfigError(f"--rank {own.rank} is not a rank of this layout: use 0 to {world - 1}")
+        from fivefold.rank_build import build_rank, format_report
+        from fivefold.validate import check_supported
+
+        check_supported(cfg)
+        report = build_rank(cfg, own.rank)
+        print(json.dumps(report) if own.json else format_report(report))
+        return 0
     from fivefold.rank_map import format_rank_map
 
     print(format_rank_map(cfg, own.all))

@@ -56,6 +56,9 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # A Hugging Face folder (config.json + safetensors): the model's shape comes from its config.json
+    # and a fresh run starts from its weights, each rank reading only the slices it holds.
+    init_from: str = ""
 
     @property
     def head_dim(self) -> int:
@@ -78,6 +81,7 @@ class ParallelConfig:
     ep: int = 1
     order: str = "pp,dp,cp,tp"  # outermost to innermost
     timeout_s: float = 300.0  # every collective; a lost rank becomes an error, not a hang
+    backend: str = "auto"  # auto | nccl | gloo | cpu:gloo,cuda:nccl (auto: the last on CUDA, gloo on CPU)
     gpus_per_node: int = 8
 
 
@@ -235,8 +239,39 @@ def _build(cls, raw: dict, prefix: str):
     return cls(**kwargs)
 
 
+def _model_from_folder(raw_model: dict) -> dict:
+    """model.init_from: every model key from the folder's config.json. A key also given explicitly
+    must agree with it (another value would describe another model than the weights)."""
+    import json
+    from pathlib import Path
+
+    from fivefold.models.hf import config_from_hf  # here: models/ builds on this module
+
+    folder = Path(raw_model["init_from"])
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"model.init_from='{folder}' needs a Hugging Face folder with a readable "
+                          f"config.json ({err.__class__.__name__}: {err})") from None
+    resolved = dataclasses.asdict(config_from_hf(hf))
+    for key, value in raw_model.items():
+        if key in ("init_from", "preset") or key not in resolved:  # unknown keys: refused by _build
+            continue
+        given = value.items() if key == "moe" and isinstance(value, dict) else [(None, value)]
+        for sub, v in given:
+            have = resolved[key].get(sub) if sub else resolved[key]
+            name = f"model.{key}.{sub}" if sub else f"model.{key}"
+            if have is not None and _coerce(name, v, type(have)) != have:
+                raise ConfigError(f"{name}={v} differs from {folder / 'config.json'} ({have}); drop it: "
+                                  "model.init_from takes the model's shape from the folder")
+    return {**resolved, "init_from": str(folder), "preset": raw_model.get("preset", ModelConfig.preset)}
+
+
 def _resolve_model(raw_model: dict) -> dict:
-    """Preset values first, explicit keys on top (the [model.moe] table merged key by key)."""
+    """Preset values first, explicit keys on top (the [model.moe] table merged key by key); or,
+    with model.init_from, the folder's config.json."""
+    if raw_model.get("init_from"):
+        return _model_from_folder(raw_model)
     preset = raw_model.get("preset", ModelConfig.preset)
     if preset not in PRESETS:
         raise ConfigError(f"model.preset '{preset}' is unknown{_suggest(preset, PRESETS)}; "

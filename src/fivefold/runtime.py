@@ -40,15 +40,27 @@ def runtime_from_env() -> Runtime:
     return Runtime(rank, world, local_rank, device)
 
 
-def init_process_group(rt: Runtime, timeout_s: float) -> None:
-    """Create the default group once (gloo on CPU, nccl on CUDA); every collective gets `timeout_s`."""
+def resolve_backend(backend: str, cuda: bool) -> str:
+    """parallel.backend as torch.distributed names it. auto: on CUDA, nccl for device tensors and gloo
+    for host ones (PyTorch's object collectives, barriers); on CPU, gloo."""
+    if backend == "auto":
+        return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    return backend
+
+
+def init_process_group(rt: Runtime, timeout_s: float, backend: str = "auto") -> None:
+    """Create the default group once, with `backend` (parallel.backend); every collective gets
+    `timeout_s`. Sub-groups (DeviceMesh's, ours) inherit its backends; every collective's tensor
+    lives on rt.device (parallel/collectives.py), which each backend value accepts."""
     if rt.world_size == 1 or dist.is_initialized():
         return
     if rt.device.type == "cuda":
-        torch.cuda.set_device(rt.device)
-    backend = "nccl" if rt.device.type == "cuda" else "gloo"
+        torch.cuda.set_device(rt.device)  # nccl, and object collectives, use the current device
+    backend = resolve_backend(backend, rt.device.type == "cuda")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _restart_store(rt, timeout)
+    # device_id binds the group to this GPU (eager nccl communicators that DeviceMesh then splits);
+    # kept to pure nccl, the one map where that path has been run.
     dist.init_process_group(backend, timeout=timeout, device_id=rt.device if backend == "nccl" else None,
                             **({"store": store, "rank": rt.rank, "world_size": rt.world_size} if store else {}))
 

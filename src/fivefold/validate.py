@@ -12,6 +12,7 @@ from fivefold.config import Config, ConfigError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "zbv", "dualpipev")
 CP_METHODS = ("ring", "allgather", "ulysses")
+BACKENDS = ("auto", "nccl", "gloo", "cpu:gloo,cuda:nccl")  # torch.distributed names; auto: runtime.py
 DIMS = ("pp", "dp", "cp", "tp")
 
 
@@ -94,6 +95,7 @@ def _check_parallel(cfg: Config, world_size: int | None) -> None:
                  "parallel.zero >= 1: there is nothing to shard at zero 0")
     _one_of("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
     _one_of("parallel.cp_method", p.cp_method, CP_METHODS)
+    _one_of("parallel.backend", p.backend, BACKENDS)
     order = [d.strip() for d in p.order.split(",")]
     _require(sorted(order) == sorted(DIMS), f"parallel.order='{p.order}' must name each of "
              f"{', '.join(DIMS)} once, outermost first (e.g. 'pp,dp,cp,tp')")
@@ -231,11 +233,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 
 
 def check_supported(cfg: Config) -> None:
-    """Training-only refusals of what the config language has but the trainer does not do yet.
+    """Training-only refusals of what the config language has but the trainer does not do yet, or
+    this machine cannot run (parallel.backend).
 
     The planner evaluates these layouts; the trainer refuses them instead of ignoring them.
     """
+    import torch
+
     p, m = cfg.parallel, cfg.model
+    check_backend(p.backend, torch.cuda.is_available())
     if p.ep > 1:
         _require(p.dp * p.cp % p.ep == 0, f"parallel.ep={p.ep} must divide parallel.dp*cp={p.dp * p.cp} "
                  "for training (experts borrowing tensor-parallel ranks is not available yet); choose "
@@ -246,3 +252,15 @@ def check_supported(cfg: Config) -> None:
         # Capacity keeps a sequence's first tokens per expert; cp splits sequences across ranks.
         _require(m.moe.capacity_factor == 0, "MoE with parallel.cp > 1 supports dropless routing only "
                  "for now; set model.moe.capacity_factor=0, or parallel.cp=1")
+
+
+def check_backend(backend: str, cuda: bool) -> None:
+    """parallel.backend against this machine: the training tensors live on its GPUs when it has any."""
+    if cuda:
+        # gloo moves CUDA tensors for all-reduce and broadcast only (not send/recv, all-to-all, ...).
+        _require(backend != "gloo", "parallel.backend=gloo cannot run the collectives of CUDA tensors "
+                 "(point-to-point, all-to-all, reduce-scatter); use auto or nccl, or hide the GPUs "
+                 "(CUDA_VISIBLE_DEVICES='') to train on CPU")
+    else:
+        _require(backend in ("auto", "gloo"), f"parallel.backend={backend} needs CUDA GPUs; this machine "
+                 "has none: use gloo or auto")

@@ -8,18 +8,18 @@ new code. Mixtral adds its router rows there, and `EXPERT_MAP`: Hugging Face fil
 per expert (`experts.{expert}.w1.weight`), fivefold one stacked (experts, out, in) tensor per layer. Our RoPE uses the rotate-half convention of Hugging Face's
 Llama, so the q/k projections are copied as they are, without the head permutation that Meta's
 original checkpoints would need.
+
+Weights stream (models/hf_stream.py): reading takes one box of one tensor at a time from the
+safetensors files, writing one tensor at a time into transformers' sharded layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from pathlib import Path
+from typing import Callable
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from fivefold.config import ConfigError, ModelConfig, MoEConfig
 from fivefold.models.llama import Transformer
@@ -214,108 +214,45 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
 # --------------------------------------------------------------------------------------------
 # Weights
 
+DEFAULT_SHARD_BYTES = 5 * 10**9  # the Hub's usual shard ("5GB"); writing streams, so memory does not depend on it
 
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        other = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-        hint = (f"; it has {', '.join(sorted(other))}, which fivefold does not read because pickle files "
-                "can run code: convert them to safetensors first") if other else ""
-        raise ConfigError(f"{folder} has no *.safetensors weight files{hint}")
-    where = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            where.update({name: file for name in f.keys()})
-    return where
+
+def hf_box_reader(folder) -> tuple[ModelConfig, Callable[[str, tuple, tuple, tuple], torch.Tensor]]:
+    """(ModelConfig, fill): `fill(name, whole_shape, offsets, sizes)` reads that box of fivefold's
+    tensor `name` from a Hugging Face folder as fp32 (see models/hf_stream.py)."""
+    from fivefold.models.hf_stream import hf_box_reader as reader
+
+    return reader(folder)
 
 
 def load_pretrained(path, dtype: torch.dtype | None = torch.float32) -> Transformer:
     """Our model with the weights of a Hugging Face Llama checkpoint folder.
 
     Weights are converted to `dtype` (fp32 by default, the trainer's master precision; None keeps
-    the stored dtype). The model is built on the meta device so that a large checkpoint is held once,
-    not twice (random initial weights and then the loaded ones).
+    the stored dtype). They are read tensor by tensor into a meta-device model, so the peak is the
+    model plus one tensor (not random initial weights and then the loaded ones).
     """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ConfigError(f"{folder} is not a folder; pass a Hugging Face checkpoint folder "
-                          "(config.json + *.safetensors)")
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"{folder} has no config.json; load_pretrained reads Hugging Face checkpoint "
-                          "folders (config.json + *.safetensors), and fivefold checkpoints cannot be "
-                          "loaded this way yet")
-    try:
-        hf_cfg = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{folder / 'config.json'} is not valid JSON: {err}") from None
-    if not isinstance(hf_cfg, dict):
-        raise ConfigError(f"{folder / 'config.json'} must hold a JSON object of model settings")
-    try:
-        cfg = config_from_hf(hf_cfg)
-    except ConfigError as err:
-        raise ConfigError(f"{folder}/{err}") from None
+    from fivefold.models.hf_stream import HFBoxes
 
+    reader = HFBoxes(path, dtype)
+    tensors = {}
+    for name in reader.shapes:
+        tensors[name] = reader.whole(name)
+        reader.close()  # unmap: the pages just read would otherwise stay in this process's RSS
+    return model_from_tensors(reader.cfg, tensors)
+
+
+def model_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Transformer:
+    """The model of `cfg` around these whole tensors (a checkpoint's: a tied output is absent), not copied."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if cfg.tie_embeddings:
-        del expected["output.weight"]  # HF omits lm_head when it is tied; embed_tokens fills both
-    where = _weight_files(folder)
-    ours_only = {name: shape for name, shape in expected.items() if OURS_ONLY.match(name)}
-    for name in ours_only:
-        del expected[name]
-    tensors = _read_tensors(folder, where, expected, dtype, cfg.moe.n_experts)
-    tensors.update({name: torch.zeros(shape) for name, shape in ours_only.items()})
-    if cfg.tie_embeddings:
-        tensors["output.weight"] = tensors["tok_embeddings.weight"]
+        tensors = {**tensors, "output.weight": tensors["tok_embeddings.weight"]}
     model.load_state_dict(tensors, strict=True, assign=True)
     if cfg.tie_embeddings:  # assign=True gives each module its own Parameter; tie them again
         model.output.weight = model.tok_embeddings.weight
     _materialize_buffers(model, cfg)
     return model
-
-
-def _read_tensors(folder: Path, where: dict[str, Path], expected: dict[str, tuple],
-                  dtype: torch.dtype | None, n_experts: int = 0) -> dict[str, torch.Tensor]:
-    # Each of ours comes from one Hugging Face tensor, or (stacked experts) one per expert.
-    sources = {ours: hf_sources(ours, n_experts) for ours in expected}
-    stacked = {ours for ours in expected if is_stacked(ours)}
-    hf_names = {hf: (ours, index) for ours, names in sources.items() for index, hf in enumerate(names)}
-    for name in where:
-        if name not in hf_names and not IGNORED_HF.match(name) and not (
-                name == "lm_head.weight" and "output.weight" not in expected):
-            raise ConfigError(f"{folder} holds tensor {name}, which fivefold's Llama has no place for; "
-                              "check that config.json describes these weights")
-
-    def piece_shape(ours: str) -> tuple:
-        return expected[ours][1:] if ours in stacked else expected[ours]
-
-    by_file: dict[Path, list[str]] = {}
-    for name, (ours, _) in hf_names.items():
-        if name not in where:
-            raise ConfigError(f"{folder} is missing tensor {name} (shape {list(piece_shape(ours))}) that "
-                              "config.json implies")
-        by_file.setdefault(where[name], []).append(name)
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
-    for file, names in by_file.items():
-        if not file.is_file():
-            raise ConfigError(f"{file} is named by model.safetensors.index.json but does not exist")
-        with safe_open(file, framework="pt") as f:
-            for name in names:
-                ours, index = hf_names[name]
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != piece_shape(ours):
-                    raise ConfigError(f"tensor {name} in {file} has shape {list(shape)}, but config.json "
-                                      f"implies {list(piece_shape(ours))}")
-                tensor = f.get_tensor(name)
-                pieces.setdefault(ours, {})[index] = tensor.to(dtype) if dtype is not None else tensor
-    return {ours: torch.stack([got[i] for i in range(len(got))]) if ours in stacked else got[0]
-            for ours, got in pieces.items()}
 
 
 def _materialize_buffers(model: Transformer, cfg: ModelConfig) -> None:
@@ -327,28 +264,18 @@ def _materialize_buffers(model: Transformer, cfg: ModelConfig) -> None:
         setattr(model.get_submodule(parent), attr, buffer)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # a buffer inside a layer would need handling here
-        raise RuntimeError(f"load_pretrained left {left} unset; teach _materialize_buffers about it")
+        raise RuntimeError(f"model_from_tensors left {left} unset; teach _materialize_buffers about it")
 
 
-def save_hf(model: Transformer, path) -> Path:
-    """Write `model` as a Hugging Face Llama folder (config.json + model.safetensors); returns the folder."""
+def save_hf(model: Transformer, path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+    """Write `model` as a Hugging Face folder (config.json + safetensors shards, with an index when
+    there are several, as transformers writes them); returns the folder."""
+    from fivefold.models.hf_stream import write_hf_folder
+
     missing = [m for m in ("tok_embeddings", "norm", "output") if getattr(model, m) is None]
     if missing:
         raise ValueError(f"save_hf needs the whole model, but this one has no {', '.join(missing)} "
                          "(a pipeline stage?)")
-    hf_cfg = hf_config_from(model.cfg, model.tok_embeddings.weight.dtype)  # refuses what HF Llama lacks
     state = model.state_dict()
-    if model.cfg.tie_embeddings:
-        del state["output.weight"]  # safetensors refuses shared storage; HF re-ties lm_head on load
-    tensors = {}
-    for name, t in state.items():
-        if OURS_ONLY.match(name):
-            continue  # bias balancing's state: Mixtral has none (hf_config_from refused balance="bias")
-        names = hf_sources(name, model.cfg.moe.n_experts)
-        pieces = t.unbind(0) if is_stacked(name) else [t]  # stacked experts: one tensor per expert
-        tensors.update({hf: piece.detach().cpu().contiguous() for hf, piece in zip(names, pieces)})
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return write_hf_folder(path, model.cfg, {name: (tuple(t.shape), t.dtype) for name, t in state.items()},
+                           lambda name: state[name].cpu(), max_shard_bytes)

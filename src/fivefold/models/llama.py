@@ -12,13 +12,13 @@ Nothing here knows about parallelism. Two properties make the parallel code's jo
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelConfig
+from fivefold.models.init import Fill, constant, seeded_normal
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -152,25 +152,37 @@ class Transformer(nn.Module):
             h = in_compute_dtype(self.norm(h))
         return self.output(h) if self.output is not None else h
 
+    def reset_computed_buffers(self) -> None:
+        """Recompute the buffers derived from the config (RoPE frequencies), e.g. after the model was
+        built on the meta device and moved to real memory uninitialised."""
+        device = self.inv_freq.device
+        self.inv_freq = rope_inverse_frequencies(self.cfg).to(device)
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Weights are a function of (seed, parameter name, shape) only.
-
-        Each parameter draws from its own generator, so building, splitting or sharding the model
-        in any order reproduces the same values: the basis of every layout-equivalence test.
-        """
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)  # GPT-2 style: keeps the residual stream's scale
+        """Weights are a function of (seed, parameter name, shape) only (`initial_values`), so
+        building, splitting or sharding the model in any order reproduces the same values: the
+        basis of every layout-equivalence test."""
+        fill = initial_values(self.cfg, seed)
         for name, param in self.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-                continue
-            std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
-            param.copy_(seeded_normal(seed, name, param.shape, std))
+            param.copy_(fill(name, tuple(param.shape), (0,) * param.dim(), tuple(param.shape)))
 
 
-def seeded_normal(seed: int, name: str, shape, std: float) -> torch.Tensor:
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    return torch.randn(shape, generator=generator) * std
+def initial_values(cfg: ModelConfig, seed: int) -> Fill:
+    """fill(name, whole shape, offsets, sizes): any box of any initial parameter or persistent buffer
+    (models/init.py), so each rank of a layout computes just the pieces it holds."""
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2 style: keeps the residual stream's scale
+
+    def fill(name: str, shape, offsets, sizes) -> torch.Tensor:
+        if cfg.tie_embeddings and name == "output.weight":
+            name = "tok_embeddings.weight"  # a pipeline's last stage holds its own copy
+        if "norm" in name:
+            return constant(1.0, sizes)
+        if name.endswith("expert_bias"):  # bias balancing's state starts at zero
+            return constant(0.0, sizes)
+        std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
+        return seeded_normal(seed, name, shape, std, offsets, sizes)
+    return fill
 
 
 def count_parameters(model: nn.Module) -> int:

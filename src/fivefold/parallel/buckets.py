@@ -74,12 +74,22 @@ class Bucket:
             for param, view in self.views(flat):
                 local_tensor(param).copy_(view.view_as(local_tensor(param)))
 
-    def pack_params(self) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+    def pack_params(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Elements [start, end) of the flat fp32 parameters (padding zeros), without packing the
+        rest: a rank's ZeRO chunk of a bucket holding one huge tensor costs only the chunk."""
+        end = self.padded if end is None else end
+        flat = torch.zeros(end - start, dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            for param, view in self.views(flat):
-                view.copy_(local_tensor(param).reshape(-1))
+            for param, offset, size in zip(self.params, self.offsets, self.sizes):
+                lo, hi = max(start, offset), min(end, offset + size)
+                if lo < hi:
+                    flat[lo - start: hi - start].copy_(local_tensor(param).reshape(-1)[lo - offset: hi - offset])
         return flat
+
+    def pack_chunk(self) -> torch.Tensor:
+        """This rank's equal chunk of the flat parameters (group_rank of group_size)."""
+        size = self.padded // self.group_size
+        return self.pack_params(self.group_rank * size, (self.group_rank + 1) * size)
 
 
 def make_buckets(params: list[nn.Parameter], padded_to: int, bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.models.moe import MoE, moe_layers
+from fivefold.parallel.collectives import all_reduce_scalars
 
 _EXPERT_PARAM = re.compile(r"(^|\.)experts\.w[123]$")
 
@@ -130,7 +131,7 @@ def gather_experts(name: str, tensor: torch.Tensor, ep_mesh) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int) -> dict:
+def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device: torch.device) -> dict:
     """After a step: the load each MoE layer saw over the whole global batch (its `n_micro`
     micro-batches here, summed over dp·cp), the bias update of bias balancing from it, and the
     router metrics. Same in every layout."""
@@ -147,10 +148,7 @@ def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int) -> dic
     ranks = 1
     if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
         ranks = dist.get_world_size(dp_cp_group)
-        device = next(iter(parts[0].parameters())).device
-        on_device = packed.to(device)  # nccl reduces device tensors only
-        dist.all_reduce(on_device, group=dp_cp_group)
-        packed = on_device.cpu()
+        packed = all_reduce_scalars(packed, dp_cp_group, device)
     n = len(layers)
     load = packed[:n * n_experts].view(n, n_experts)
     dropped, aux_sum = packed[n * n_experts: n * n_experts + n], packed[n * n_experts + n:]

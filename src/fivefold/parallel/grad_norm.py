@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from fivefold.parallel.collectives import all_reduce_scalars
+
 
 def copies_of_local_piece(tensor: torch.Tensor, world_size: int) -> int:
     """How many ranks hold the same local values as this rank does for `tensor`.
@@ -47,22 +49,24 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def weighted_square_sum(pieces: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     """Σ ||piece||² / copies: one fused norm per group of pieces with the same number of copies,
-    each tensor's norm in its own precision, the sum over tensors in fp64."""
+    each tensor's norm in its own precision, the sum over tensors in fp64, on the pieces' device
+    (the all-reduce's: parallel/collectives.py)."""
     by_copies: dict[int, list[torch.Tensor]] = {}
     for piece, copies in pieces:
         if piece.numel():
             by_copies.setdefault(copies, []).append(piece.detach())
-    total = torch.zeros((), dtype=torch.float64)
+    # A rank may hold no piece (a ZeRO chunk of padding only): its zero still joins the all-reduce.
+    device = pieces[0][0].device if pieces else torch.accelerator.current_accelerator() or torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for copies, tensors in by_copies.items():
-        norms = torch.stack(torch._foreach_norm(tensors)).double().cpu()
+        norms = torch.stack(torch._foreach_norm(tensors)).double()
         total += norms.pow(2).sum() / copies
     return total
 
 
 def global_norm(square_sum: torch.Tensor, group=None) -> float:
     if dist.is_initialized():
-        square_sum = square_sum.clone()
-        dist.all_reduce(square_sum, group=group)
+        square_sum = all_reduce_scalars(square_sum, group, square_sum.device)
     return math.sqrt(square_sum.item())
 
 

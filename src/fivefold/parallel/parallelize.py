@@ -16,11 +16,14 @@ from torch import nn
 
 from fivefold.config import Config
 from fivefold.mesh import ParallelDims
+from fivefold.models.init import Fill
+from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.comm_ledger import CommLedger
 from fivefold.parallel.context import SequenceSplit, apply_context_parallel
 from fivefold.parallel.data import DataParallel, build_data_parallel
 from fivefold.parallel.expert import (apply_expert_parallel, apply_moe_tensor_parallel, finish_router_step,
                                       gather_experts, set_aux_grad_scale)
+from fivefold.parallel.materialize import materialize
 from fivefold.parallel.pipeline import Pipeline
 from fivefold.parallel.recompute import apply_recompute
 
@@ -127,7 +130,7 @@ class Parallelized:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.data_parallel.optimizer_step(optimizer)
         # MoE: the step's load over the global batch moves balancing biases; metrics for the log.
-        self.router_metrics = finish_router_step(self.parts, self._dp_cp_group, self._n_micro)
+        self.router_metrics = finish_router_step(self.parts, self._dp_cp_group, self._n_micro, self.device)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return self.data_parallel.state_bytes(optimizer)
@@ -147,9 +150,8 @@ class Parallelized:
         """Average a per-rank scalar over the ranks that split the batch (dp and cp)."""
         if self._dp_cp_group is None or dist.get_world_size(self._dp_cp_group) == 1:
             return value
-        tensor = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(tensor, group=self._dp_cp_group)
-        return tensor.item() / dist.get_world_size(self._dp_cp_group)
+        total = all_reduce_scalars([value], self._dp_cp_group, self.device)
+        return total.item() / dist.get_world_size(self._dp_cp_group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as one whole CPU tensor under its single-device name (a collective:
@@ -194,12 +196,14 @@ def group_dimensions(mesh) -> dict[str, str]:
     return dims
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device) -> Parallelized:
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device,
+                fill: Fill) -> Parallelized:
+    """`model` is on the meta device: the layout is built there, then this rank's pieces are
+    materialised on `device` with values from `fill` (parallel/materialize.py)."""
     n_params = sum(p.numel() for p in model.parameters())
     mesh = dims.build_mesh(device.type) if dims.world_size > 1 else None
     if mesh is not None:
         dims.warn_if_tp_crosses_nodes(cfg.parallel.gpus_per_node)
-    model.to(device)
     pipeline = Pipeline(model, cfg, mesh["pp"], device) if dims.pp > 1 else None
     parts = pipeline.parts if pipeline is not None else [model]
     for part in parts:
@@ -216,7 +220,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
         if cfg.train.compile:
             for block in part.layers.values():
                 block.compile()
+    ep_mesh = mesh["ep"] if dims.ep > 1 else None
+    # FSDP2 shards meta parameters, then allocates only the shards; the other data-parallel
+    # variants build their buckets and master chunks from real, initialised parameters.
+    fsdp = cfg.parallel.zero == 3 and dims.dp * dims.cp > 1
+    if not fsdp:
+        materialize(parts, device, fill, ep_mesh)
     data_parallel = build_data_parallel(parts, dims, mesh, cfg)
+    if fsdp:
+        materialize(parts, device, fill, ep_mesh)
     tied_group = None
     if pipeline is not None:
         tied_group = tied_embedding_group(dims, pipeline)
@@ -226,6 +238,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
     par = Parallelized(parts, dims, mesh, data_parallel, n_params, loss_parallel=dims.tp > 1,
                        pipeline=pipeline)
     par._tied_group = tied_group
+    par.device = device  # where the collectives of host numbers run (parallel/collectives.py)
     if tied_group is not None and par.ledger is not None:
         par.ledger.group_dims[tied_group.group_name] = "pp"  # the pipeline's two ends
     return par

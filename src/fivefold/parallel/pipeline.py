@@ -25,6 +25,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
                                           ScheduleZBVZeroBubble)
 
 from fivefold.config import Config, micro_batches
+from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.grad_norm import local_tensor, settle_grad_layout
 from fivefold.parallel.pipeline_split import SINGLE_STAGE_SCHEDULES, layers_per_stage, stages_of_rank
 
@@ -151,8 +152,7 @@ class Pipeline:
     def take_bubble(self, step_time_s: float) -> float:
         """Measured idle share of the pipeline ranks in the last step: 1 - busy / step time,
         averaged over the pp ranks (busy = time inside the stages' forward/backward actions)."""
-        busy = torch.tensor([self.busy_s], dtype=torch.float64)
-        dist.all_reduce(busy, group=self.pp_group)
+        busy = all_reduce_scalars([self.busy_s], self.pp_group, self.device)
         self.busy_s = 0.0
         return max(0.0, 1.0 - busy.item() / (self.pp * step_time_s))
 

@@ -53,6 +53,25 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple
     return boxes
 
 
+def piece_origin(name: str, tensor: torch.Tensor, ep_mesh) -> tuple[list[int], list[int]]:
+    """(offsets of this rank's piece, whole shape) of a parameter-like tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                           tensor.placements)
+        offsets = list(offsets)
+    else:
+        offsets = [0] * tensor.dim()
+    shape = list(tensor.shape)
+    if ep_mesh is not None and is_expert_param(name):  # tensor.shape counts this rank's experts
+        offsets[0] += ep_mesh.get_local_rank() * shape[0]
+        shape[0] *= ep_mesh.size()
+    return offsets, shape
+
+
 class StateBoxes:
     """This rank's boxes of the model and optimizer state of a `Parallelized` model."""
 
@@ -66,23 +85,7 @@ class StateBoxes:
         return f"{kind}/{TIED_SOURCE if self.tied_copy and name == TIED_COPY else name}"
 
     def origin(self, name: str, tensor: torch.Tensor) -> tuple[list[int], list[int]]:
-        """(offsets of this rank's piece, whole shape) of a parameter-like tensor."""
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(tensor, DTensor):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
-                                                               tensor.placements)
-            offsets = list(offsets)
-        else:
-            offsets = [0] * tensor.dim()
-        shape = list(tensor.shape)
-        ep_mesh = self.par._ep_mesh
-        if ep_mesh is not None and is_expert_param(name):  # tensor.shape counts this rank's experts
-            offsets[0] += ep_mesh.get_local_rank() * shape[0]
-            shape[0] *= ep_mesh.size()
-        return offsets, shape
+        return piece_origin(name, tensor, self.par._ep_mesh)
 
     def _add(self, out: dict, key: str, shape, dtype, offsets, tensor: torch.Tensor) -> None:
         out.setdefault(key, Pieces(torch.Size(shape), dtype)).add(offsets, tensor)
@@ -158,7 +161,7 @@ class StateBoxes:
         if hasattr(dp, "chunks"):
             with torch.no_grad():
                 for bucket, chunk in zip(dp.buckets, dp.chunks):
-                    chunk.copy_(bucket.pack_params().chunk(bucket.group_size)[bucket.group_rank])
+                    chunk.copy_(bucket.pack_chunk())
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer) -> float:

@@ -17,15 +17,20 @@ def named_params(par) -> dict[str, nn.Parameter]:
     return {name: p for part in par.parts for name, p in part.named_parameters()}
 
 
-def persistent_buffers(par) -> dict[str, torch.Tensor]:
-    """Buffers saved with the model (MoE bias-balancing state); RoPE tables are recomputed."""
+def module_persistent_buffers(part: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers of one module saved with the model (MoE bias-balancing state); RoPE tables are
+    recomputed."""
     out = {}
-    for part in par.parts:
-        for mod_name, module in part.named_modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and name not in module._non_persistent_buffers_set:
-                    out[f"{mod_name}.{name}" if mod_name else name] = buf
+    for mod_name, module in part.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{mod_name}.{name}" if mod_name else name] = buf
     return out
+
+
+def persistent_buffers(par) -> dict[str, torch.Tensor]:
+    """Persistent buffers of every part this rank runs."""
+    return {name: buf for part in par.parts for name, buf in module_persistent_buffers(part).items()}
 
 
 def expected_shapes(model) -> dict[str, tuple]:

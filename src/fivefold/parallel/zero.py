@@ -44,8 +44,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         self.buckets = self.reduction_buckets(
             None, self.shard_group, self.shard_rank, expert_mesh and expert_mesh.get_group(),
             expert_mesh and expert_mesh.get_local_rank())
-        self.chunks = [nn.Parameter(b.pack_params().chunk(b.group_size)[b.group_rank].clone())
-                       for b in self.buckets]
+        self.chunks = [nn.Parameter(b.pack_chunk()) for b in self.buckets]
         self._segments = None  # built at the first clip: extra_copies may be set after construction
         self._syncing, self._next_bucket, self._pending = False, 0, []
         self._reduced_in_micro_batches = False

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config
+from fivefold.parallel.collectives import all_reduce_scalars
 
 STRAGGLER_RATIO = 1.5  # a rank this much slower than the median step time is reported
 
@@ -39,10 +40,9 @@ def straggler(step_time_s: float, device: torch.device) -> dict | None:
     than STRAGGLER_RATIO x the median, else None. Same answer on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    times = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    times[dist.get_rank()] = step_time_s
-    dist.all_reduce(times)
-    times = times.cpu()
+    mine = [0.0] * dist.get_world_size()
+    mine[dist.get_rank()] = step_time_s
+    times = all_reduce_scalars(mine, None, device)  # each rank's time in its own slot
     median = times.median().item()
     slowest = int(times.argmax())
     if median > 0 and times[slowest].item() > STRAGGLER_RATIO * median:

@@ -36,6 +36,16 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
     return None
 
 
+def cuda_memory(device: torch.device) -> dict[str, int]:
+    """The CUDA allocator's figures for a step's record (none on CPU): bytes allocated now, bytes its
+    cache holds (what other processes cannot use), and the peak allocated since the run began."""
+    if device.type != "cuda":
+        return {}
+    return {"cuda_mem_allocated_bytes": torch.cuda.memory_allocated(device),
+            "cuda_mem_reserved_bytes": torch.cuda.memory_reserved(device),
+            "cuda_mem_peak_bytes": torch.cuda.max_memory_allocated(device)}
+
+
 def matmul_params(cfg: ModelConfig, total_params: int) -> int:
     """Parameters that take part in a matmul per token: all but an untied input embedding table."""
     embedding = cfg.vocab_size * cfg.dim

@@ -17,12 +17,12 @@ import torch
 
 from fivefold.config import Config, ConfigError, micro_batches
 from fivefold.mesh import ParallelDims
-from fivefold.models import build_model
+from fivefold.models import build_meta_model, initial_values
 from fivefold.parallel.parallelize import Parallelized, parallelize
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
 from fivefold.train import checkpoint, faults
 from fivefold.train.data import GlobalBatchSampler, Split, load_splits, rank_slice
-from fivefold.train.metrics import MetricsWriter, flops_per_token, peak_flops
+from fivefold.train.metrics import MetricsWriter, cuda_memory, flops_per_token, peak_flops
 from fivefold.train.optim import adamw, lr_scheduler
 from fivefold.validate import check_supported, validate
 
@@ -55,10 +55,24 @@ def setup(cfg: Config, rt: Runtime | None = None) -> tuple[Runtime, Parallelized
     rt = rt or runtime_from_env()
     validate(cfg, rt.world_size)
     check_supported(cfg)
-    init_process_group(rt, cfg.parallel.timeout_s)
+    init_process_group(rt, cfg.parallel.timeout_s, cfg.parallel.backend)
     dims = ParallelDims.from_config(cfg.parallel)
-    model = build_model(cfg.model, cfg.train.seed)
-    return rt, parallelize(model, dims, cfg, rt.device)
+    model = build_meta_model(cfg.model)  # each rank materialises only its pieces, in parallelize
+    fill = initial_weights(cfg)
+    par = parallelize(model, dims, cfg, rt.device, fill)
+    if hasattr(fill, "close"):  # a folder's memory maps: read pages would count in this rank's RSS
+        fill.close()
+    return rt, par
+
+
+def initial_weights(cfg: Config):
+    """Where a rank's pieces get their first values: the seeded initialisation, or slices of a
+    Hugging Face folder (model.init_from) when the run does not resume from a checkpoint."""
+    if cfg.model.init_from and checkpoint.resolve(cfg) is None:
+        from fivefold.models.hf import hf_box_reader
+
+        return hf_box_reader(cfg.model.init_from)[1]
+    return initial_values(cfg.model, cfg.train.seed)
 
 
 @torch.no_grad()
@@ -101,7 +115,8 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         faults.maybe_crash(cfg, step + 1, rt.rank)
         start = time.perf_counter()
         batch = rank_slice(train_split.windows(sampler.next_indices()), par.dp_rank, cfg.parallel.dp)
-        batch = batch.to(rt.device, non_blocking=True)
+        # From pinned memory the copy to the GPU is asynchronous; from pageable memory it is not.
+        batch = (batch.pin_memory() if rt.device.type == "cuda" else batch).to(rt.device, non_blocking=True)
         lr = optimizer.param_groups[0]["lr"]
         comm_every = cfg.log.comm_every or cfg.log.every
         measured = step in (first_step, t.steps - 1) or (comm_every and (step + 1) % comm_every == 0)
@@ -127,7 +142,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
             "step": step + 1, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
             "tokens_per_sec": world_tokens_per_sec,
             "mfu": flops_per_step / step_time / (peak * rt.world_size) if peak else None,
-            "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device),
+            "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
             **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
             **par.router_metrics,  # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops
         }

@@ -1,0 +1,251 @@
+"""Hugging Face weights without holding the model: read any box of any tensor straight from the
+safetensors files, and write a sharded folder one tensor at a time.
+
+Reading (`HFBoxes`): the config, the expected shapes (from a meta-device model) and every file's
+header are checked when the reader is made; afterwards a call reads only the box it is asked for,
+with `safe_open(...).get_slice(name)[box]`. safetensors 0.8 answers with a view into its memory map
+of the file, so nothing is read until the box is copied out, and the pages a copy reads count in
+this process's RSS until the file is unmapped: whoever walks a whole model (load_pretrained,
+convert) calls `close()` after each tensor (re-opening costs a header parse), while a training rank,
+reading only its boxes, keeps the handles open.
+
+Writing (`write_hf_folder`): the shard plan and every file's header follow from shapes and dtypes
+alone, so each file is written header first and then tensor by tensor (safetensors' own save_file
+needs a whole shard in memory). The folder is what transformers' save_pretrained writes:
+`model.safetensors`, or `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from fivefold.config import ConfigError, ModelConfig
+from fivefold.models import build_meta_model
+from fivefold.models.hf import (DEFAULT_SHARD_BYTES, IGNORED_HF, OURS_ONLY, config_from_hf, hf_config_from,
+                                hf_sources, is_stacked)
+
+INDEX = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors$")
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def read_hf_config(folder: Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder's config.json, or one sentence saying what is wrong."""
+    if not folder.is_dir():
+        raise ConfigError(f"{folder} is not a folder; pass a Hugging Face checkpoint folder "
+                          "(config.json + *.safetensors)")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} has no config.json; load_pretrained reads Hugging Face checkpoint "
+                          "folders (config.json + *.safetensors), and fivefold checkpoints cannot be "
+                          "loaded this way yet")
+    try:
+        hf_cfg = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{folder / 'config.json'} is not valid JSON: {err}") from None
+    if not isinstance(hf_cfg, dict):
+        raise ConfigError(f"{folder / 'config.json'} must hold a JSON object of model settings")
+    try:
+        return config_from_hf(hf_cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{folder}/{err}") from None
+
+
+class HFBoxes:
+    """`reader(name, whole_shape, offsets, sizes)`: elements [offsets[i], offsets[i] + sizes[i]) of
+    fivefold's whole tensor `name`, read from a Hugging Face folder and converted to `dtype` (None
+    keeps the stored one). `shapes` lists what a fivefold checkpoint of the model holds (a tied
+    output is not in it, but reading 'output.weight' gives the embedding)."""
+
+    def __init__(self, folder, dtype: torch.dtype | None = torch.float32):
+        self.folder, self.dtype = Path(folder), dtype
+        self.cfg = read_hf_config(self.folder)
+        tied = self.cfg.tie_embeddings
+        self.shapes = {name: tuple(t.shape) for name, t in build_meta_model(self.cfg).state_dict().items()
+                       if not (name == "output.weight" and tied)}  # HF omits a tied lm_head
+        self._handles: dict[Path, object] = {}
+        self._sources = {name: hf_sources(name, self.cfg.moe.n_experts) for name in self.shapes
+                         if not OURS_ONLY.match(name)}
+        if tied:  # the trainer asks for the embedding under both names
+            self._sources["output.weight"] = self._sources["tok_embeddings.weight"]
+        self._where = self._locate()
+        self._check()
+
+    def __call__(self, name: str, whole_shape, offsets, sizes) -> torch.Tensor:
+        tied_output = name == "output.weight" and self.cfg.tie_embeddings
+        shape = self.shapes.get("tok_embeddings.weight" if tied_output else name)
+        offsets, sizes = tuple(map(int, offsets)), tuple(map(int, sizes))
+        inside = shape == tuple(whole_shape) and len(offsets) == len(sizes) == len(shape) and all(
+            0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, shape))
+        if not inside:
+            raise ValueError(f"box at {list(offsets)} of size {list(sizes)} in {name} {list(whole_shape)} "
+                             f"is not inside a tensor of {self.folder} (its shape: "
+                             f"{list(shape) if shape else 'no such tensor'})")
+        if OURS_ONLY.match(name) or 0 in sizes:  # bias balancing's state starts at zero
+            return torch.zeros(sizes, dtype=self.dtype or torch.float32)
+        box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        stacked = is_stacked(name)  # (experts, out, in): one Hugging Face tensor per expert in the box
+        sources = self._sources[name][box[0]] if stacked else self._sources[name]
+        out = None
+        for i, hf in enumerate(sources):
+            view = self._open(self._where[hf]).get_slice(hf)[box[1:] if stacked else box]
+            if out is None:
+                out = torch.empty(sizes, dtype=self.dtype or view.dtype)
+            (out[i] if stacked else out).copy_(view)
+        return out
+
+    def whole(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        return self(name, shape, (0,) * len(shape), shape)
+
+    def close(self) -> None:
+        """Unmap the files (their pages leave this process's RSS); the next read opens them again."""
+        self._handles.clear()
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file]
+
+    def _locate(self) -> dict[str, Path]:
+        """Hugging Face tensor name -> the file holding it (the index decides when there is one)."""
+        index = self.folder / INDEX
+        if index.is_file():
+            return {name: self.folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            other = [p.name for p in self.folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+            hint = (f"; it has {', '.join(sorted(other))}, which fivefold does not read because pickle files "
+                    "can run code: convert them to safetensors first") if other else ""
+            raise ConfigError(f"{self.folder} has no *.safetensors weight files{hint}")
+        return {name: file for file in files for name in self._open(file).keys()}
+
+    def _check(self) -> None:
+        folder, tied = self.folder, self.cfg.tie_embeddings
+        needed = {hf: ours for ours, names in self._sources.items() for hf in names}
+        for name in self._where:
+            if name not in needed and not IGNORED_HF.match(name) and not (name == "lm_head.weight" and tied):
+                raise ConfigError(f"{folder} holds tensor {name}, which fivefold's Llama has no place for; "
+                                  "check that config.json describes these weights")
+        held: dict[Path, set] = {}  # names in each file, for an index that places a tensor wrongly
+        for hf, ours in needed.items():
+            expected = self.shapes["tok_embeddings.weight" if ours == "output.weight" and tied else ours]
+            expected = list(expected[1:] if is_stacked(ours) else expected)
+            if hf not in self._where:
+                raise ConfigError(f"{folder} is missing tensor {hf} (shape {expected}) that config.json implies")
+            file = self._where[hf]
+            if not file.is_file():
+                raise ConfigError(f"{file} is named by {INDEX} but does not exist")
+            if hf not in held.setdefault(file, set(self._open(file).keys())):
+                raise ConfigError(f"{file} does not hold tensor {hf}, which {INDEX} places there")
+            shape = list(self._open(file).get_slice(hf).get_shape())
+            if shape != expected:
+                raise ConfigError(f"tensor {hf} in {file} has shape {shape}, but config.json implies {expected}")
+
+
+def hf_box_reader(folder) -> tuple[ModelConfig, Callable[[str, tuple, tuple, tuple], torch.Tensor]]:
+    """The model config of a Hugging Face folder and `fill(name, whole_shape, offsets, sizes)`, which
+    reads that box of fivefold's tensor `name` as fp32 (an `HFBoxes`; `fill.close()` unmaps the files)."""
+    reader = HFBoxes(folder)
+    return reader.cfg, reader
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def _write_safetensors(file: Path, entries: list[tuple[str, tuple, torch.dtype, Callable]]) -> None:
+    """One safetensors file from (name, shape, dtype, get) entries, each `get()` called once, in order."""
+    header: dict = {"__metadata__": {"format": "pt"}}  # transformers refuses files without "format"
+    offset = 0
+    for name, shape, dtype, _ in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape, dtype, get in entries:
+            tensor = get().detach()
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:  # the header is written already
+                raise ValueError(f"{name}: got {list(tensor.shape)} {tensor.dtype}, planned {list(shape)} {dtype}")
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())  # little-endian, as the format
+
+
+def write_hf_folder(folder, cfg: ModelConfig, tensors: dict[str, tuple[tuple, torch.dtype]],
+                    read: Callable[[str], torch.Tensor], max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """A Hugging Face folder for fivefold tensors `tensors` (name -> whole shape and dtype, in state-dict
+    order), whose data `read(name)` returns, each once; holds one fivefold tensor at a time."""
+    hf_cfg = hf_config_from(cfg, tensors["tok_embeddings.weight"][1])  # refuses what HF cannot express
+    entries = []  # (hf name, shape, dtype, our name, expert or None)
+    for name, (shape, dtype) in tensors.items():
+        if OURS_ONLY.match(name) or (name == "output.weight" and cfg.tie_embeddings):
+            continue  # no Hugging Face counterpart (hf_config_from refused bias balancing); HF re-ties lm_head
+        stacked = is_stacked(name)
+        for expert, hf in enumerate(hf_sources(name, cfg.moe.n_experts)):
+            entries.append((hf, tuple(shape[1:] if stacked else shape), dtype, name, expert if stacked else None))
+
+    shards: list[list] = [[]]  # consecutive entries, a new shard when the next would pass the limit
+    filled = 0
+    for entry in entries:
+        size = math.prod(entry[1]) * entry[2].itemsize
+        if shards[-1] and filled + size > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(entry)
+        filled += size
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in [*folder.glob("model*.safetensors"), folder / INDEX]:  # an earlier save's other layout
+        if old.is_file() and old.name not in names and (old.name == INDEX or _SHARD_FILE.match(old.name)):
+            old.unlink()
+    (folder / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+
+    held: dict[str, torch.Tensor] = {}  # the one fivefold tensor being written (experts span entries)
+
+    def piece(name: str, expert: int | None) -> torch.Tensor:
+        if name not in held:
+            held.clear()  # let the previous tensor go before reading the next
+            held[name] = read(name)
+        return held[name] if expert is None else held[name][expert]
+
+    for file, shard in zip(names, shards):
+        _write_safetensors(folder / file, [(hf, shape, dtype, lambda n=name, e=expert: piece(n, e))
+                                           for hf, shape, dtype, name, expert in shard])
+    held.clear()
+    if len(shards) > 1:  # the index, as transformers writes it
+        index = {"metadata": {"total_parameters": sum(math.prod(e[1]) for e in entries),
+                              "total_size": sum(math.prod(e[1]) * e[2].itemsize for e in entries)},
+                 "weight_map": {e[0]: file for file, shard in zip(names, shards) for e in shard}}
+        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+def make_random_hf_llama(folder, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                         dtype: torch.dtype = torch.bfloat16, tie_embeddings: bool = False,
+                         max_shard_bytes: int = DEFAULT_SHARD_BYTES, seed: int = 0) -> Path:
+    """A Hugging Face Llama folder with random weights (N(0, 0.02); norms 1), written tensor by tensor
+    so that making a model of many GB needs the memory of its largest tensor (benchmarks, tests)."""
+    cfg = ModelConfig(dim=hidden, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn,
+                      vocab_size=vocab, tie_embeddings=tie_embeddings, max_seq_len=4096)
+    shapes = {name: tuple(t.shape) for name, t in build_meta_model(cfg).state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+
+    def random(name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shapes[name], dtype=dtype)
+        return torch.empty(shapes[name], dtype=dtype).normal_(0.0, 0.02, generator=gen)  # no fp32 copy
+
+    return write_hf_folder(folder, cfg, {name: (shape, dtype) for name, shape in shapes.items()}, random,
+                           max_shard_bytes)
