@@ -38,11 +38,7 @@ def planned_resident_bytes(config: str) -> int:
     from fivefold.config import load_config
     from fivefold.rank_build import planned_state_bytes
 
-    cfg = load_config(ROOT / "configs" / f"{config}.toml")
-    planned = planned_state_bytes(cfg, 0)
-    shards = cfg.parallel.dp * cfg.parallel.cp
-    master = planned["planned_param_bytes"] / shards if cfg.parallel.zero in (1, 2) and shards > 1 else 0
-    return int(planned["planned_param_bytes"] + master)
+    return planned_state_bytes(load_config(ROOT / "configs" / f"{config}.toml"), 0)["planned_resident_bytes"]
 
 
 def build_rows(configs: list[str]) -> list[dict]:

@@ -39,6 +39,7 @@ def test_a_rank_never_holds_more_than_its_share_plus_one_block(layout, rank):
     report = build(*MID, *layout, "--rank", str(rank))
     grew = report["peak_rss_bytes"] - report["baseline_rss_bytes"]
     assert report["param_bytes"] == report["planned_param_bytes"]
+    assert report["resident_bytes"] == report["planned_resident_bytes"]
     assert report["resident_bytes"] < 0.75 * WHOLE_MODEL_BYTES  # a share (with ZeRO-1 masters), not a whole
     assert grew <= report["resident_bytes"] + SLACK_BYTES, report
 
@@ -50,7 +51,7 @@ def test_the_70b_layout_builds_what_the_planner_predicts():
     for rank in (0, 63):
         report = build("configs/llama3-70b.toml", "--model.preset", "llama3-1b", "--rank", str(rank))
         assert report["world_size"] == 64
-        for kind in ("param", "grad", "optimizer"):
+        for kind in ("param", "grad", "optimizer", "resident"):
             assert report[f"{kind}_bytes"] == report[f"planned_{kind}_bytes"], (rank, kind, report)
 
 

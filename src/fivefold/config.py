@@ -242,18 +242,13 @@ def _build(cls, raw: dict, prefix: str):
 def _model_from_folder(raw_model: dict) -> dict:
     """model.init_from: every model key from the folder's config.json. A key also given explicitly
     must agree with it (another value would describe another model than the weights)."""
-    import json
-    from pathlib import Path
-
-    from fivefold.models.hf import config_from_hf  # here: models/ builds on this module
+    from fivefold.models.hf_stream import read_hf_config  # here: models/ builds on this module
 
     folder = Path(raw_model["init_from"])
     try:
-        hf = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"model.init_from='{folder}' needs a Hugging Face folder with a readable "
-                          f"config.json ({err.__class__.__name__}: {err})") from None
-    resolved = dataclasses.asdict(config_from_hf(hf))
+        resolved = dataclasses.asdict(read_hf_config(folder))
+    except ConfigError as err:
+        raise ConfigError(f"model.init_from='{folder}' needs a Hugging Face folder: {err}") from None
     for key, value in raw_model.items():
         if key in ("init_from", "preset") or key not in resolved:  # unknown keys: refused by _build
             continue

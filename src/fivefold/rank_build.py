@@ -29,7 +29,7 @@ def _bytes(tensors) -> int:
     return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
 
 
-def held_state_bytes(par, zero: int) -> dict[str, int]:
+def held_state_bytes(par) -> dict[str, int]:
     """Parameters (and ZeRO-1/2 master chunks) this rank holds now, and the gradient and optimizer
     bytes it will hold once training runs, from the tensors each data-parallel variant keeps."""
     dp = par.data_parallel
@@ -37,7 +37,7 @@ def held_state_bytes(par, zero: int) -> dict[str, int]:
     targets = dp.build_optimizer(list)  # what AdamW updates: local parameters, or master chunks
     chunks = _bytes(getattr(dp, "chunks", []))
     if chunks:  # zero 1/2: masters held now; zero 1 keeps whole gradients beside its chunk's
-        grads = chunks + (params if zero == 1 else 0)
+        grads = chunks + (0 if dp.shard_grads else params)
     else:
         grads = params
     return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": 2 * _bytes(targets) + chunks,
@@ -47,16 +47,19 @@ def held_state_bytes(par, zero: int) -> dict[str, int]:
 def planned_state_bytes(cfg: Config, rank: int) -> dict[str, int]:
     from fivefold.mesh import ParallelDims
     from fivefold.plan.layout import layout_from_config
-    from fivefold.plan.memory import model_state_bytes, rank_param_counts
+    from fivefold.plan.memory import master_chunk_bytes, model_state_bytes, rank_param_counts
     from fivefold.plan.schedule import pipeline_ranks
     from fivefold.plan.workload import workload_from_config
 
     workload, layout = workload_from_config(cfg), layout_from_config(cfg)
     prank = pipeline_ranks(workload.stats, layout, cfg.train.seq_len)[
         ParallelDims.from_config(cfg.parallel).coordinates(rank)["pp"]]
-    state = model_state_bytes(workload, layout, *rank_param_counts(workload.stats, layout, prank))
+    counts = rank_param_counts(workload.stats, layout, prank)
+    state = model_state_bytes(workload, layout, *counts)
+    resident = state["params"] + master_chunk_bytes(workload, layout, *counts)
     return {f"planned_{k}_bytes": int(round(v)) for k, v in
-            (("param", state["params"]), ("grad", state["grads"]), ("optimizer", state["optimizer"]))}
+            (("param", state["params"]), ("grad", state["grads"]), ("optimizer", state["optimizer"]),
+             ("resident", resident))}
 
 
 def build_rank(cfg: Config, rank: int) -> dict:
@@ -75,7 +78,7 @@ def build_rank(cfg: Config, rank: int) -> dict:
         par = parallelize(build_meta_model(cfg.model), dims, cfg, torch.device("cpu"),
                           initial_values(cfg.model, cfg.train.seed))
         seconds = time.perf_counter() - start
-        held = held_state_bytes(par, cfg.parallel.zero if dims.dp * dims.cp > 1 else 0)
+        held = held_state_bytes(par)
     finally:
         dist.destroy_process_group()
     return {"rank": rank, "world_size": dims.world_size, **held, "peak_rss_bytes": peak_rss_bytes(),

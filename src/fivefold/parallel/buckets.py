@@ -74,10 +74,9 @@ class Bucket:
             for param, view in self.views(flat):
                 local_tensor(param).copy_(view.view_as(local_tensor(param)))
 
-    def pack_params(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+    def pack_params(self, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of the flat fp32 parameters (padding zeros), without packing the
         rest: a rank's ZeRO chunk of a bucket holding one huge tensor costs only the chunk."""
-        end = self.padded if end is None else end
         flat = torch.zeros(end - start, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for param, offset, size in zip(self.params, self.offsets, self.sizes):

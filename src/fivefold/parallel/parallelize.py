@@ -35,9 +35,10 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class Parallelized:
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, mesh, data_parallel: DataParallel,
-                 n_params: int, loss_parallel: bool, pipeline: Pipeline | None = None):
+                 n_params: int, loss_parallel: bool, device: torch.device, pipeline: Pipeline | None = None):
         # parts: the model, or under pipeline parallelism the stages this rank runs.
         self.parts, self.dims, self.mesh, self.pipeline = parts, dims, mesh, pipeline
+        self.device = device  # where the collectives of host numbers run (parallel/collectives.py)
         self.model = parts[0] if pipeline is None else None
         self.data_parallel = data_parallel
         self.n_params = n_params  # of the whole model, for FLOPs
@@ -236,9 +237,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
             data_parallel.extra_copies[id(param)] = 2  # the pipeline holds the matrix twice
         pipeline.build_schedule(cfg, lm_loss)
     par = Parallelized(parts, dims, mesh, data_parallel, n_params, loss_parallel=dims.tp > 1,
-                       pipeline=pipeline)
+                       device=device, pipeline=pipeline)
     par._tied_group = tied_group
-    par.device = device  # where the collectives of host numbers run (parallel/collectives.py)
     if tied_group is not None and par.ledger is not None:
         par.ledger.group_dims[tied_group.group_name] = "pp"  # the pipeline's two ends
     return par

@@ -107,20 +107,33 @@ def expert_shard_degree(layout: Layout) -> int:
     return max(1, layout.shard_degree // layout.ep)
 
 
+def sharded_params(layout: Layout, dense: float, experts: float) -> float:
+    """This rank's share of its (dense, expert) parameters once ZeRO shards them."""
+    return dense / layout.shard_degree + experts / expert_shard_degree(layout)
+
+
+def master_chunk_bytes(workload: Workload, layout: Layout, dense: float, experts: float) -> float:
+    """The fp32 master copy of the owned chunk that ZeRO-1/2 keep (parallel/zero.py): held from
+    construction on, unlike gradients and moments."""
+    if layout.zero not in (1, 2):
+        return 0.0
+    return workload.precision.shard_master_bytes * sharded_params(layout, dense, experts)
+
+
 def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts: float) -> dict:
     """params / grads / optimizer bytes under the ZeRO stage (Rajbhandari et al. 2019)."""
     pr = workload.precision
-    sharded = dense / layout.shard_degree + experts / expert_shard_degree(layout)
+    sharded = sharded_params(layout, dense, experts)
     whole = dense + experts
     z = layout.zero
-    master = pr.shard_master_bytes if z in (1, 2) else 0
-    # ZeRO-1 keeps the whole gradients until the step and receives its reduced chunk (fp32)
-    # beside them (parallel/zero.py); ZeRO-2's reduced chunks are its only gradients.
-    chunk_grads = pr.shard_master_bytes * sharded if z == 1 else 0  # fp32, like the master chunk
+    masters = master_chunk_bytes(workload, layout, dense, experts)
+    # ZeRO-1 keeps the whole gradients until the step and receives its reduced chunk (fp32, the
+    # size of the master chunk) beside them (parallel/zero.py); ZeRO-2's chunks are its only gradients.
+    chunk_grads = masters if z == 1 else 0
     return {
         "params": pr.param_bytes * (sharded if z >= 3 else whole),
         "grads": (pr.grad_bytes + pr.accum_bytes) * (sharded if z >= 2 else whole) + chunk_grads,
-        "optimizer": (pr.optim_bytes + master) * (sharded if z >= 1 else whole),
+        "optimizer": pr.optim_bytes * (sharded if z >= 1 else whole) + masters,
     }
 
 
