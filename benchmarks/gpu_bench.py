@@ -78,7 +78,8 @@ def run_variant(name: str, shape: dict) -> dict:
         start = time.perf_counter()
         return {"variant": name, "activations": measure_activations(shape),
                 "wall_s": time.perf_counter() - start}
-    from fivefold.train.metrics import flops_per_token, peak_flops
+    from fivefold.plan.model_stats import model_stats
+    from fivefold.train.metrics import peak_flops
     from fivefold.train.trainer import train
 
     compile_, recompute = VARIANTS[name]
@@ -95,12 +96,12 @@ def run_variant(name: str, shape: dict) -> dict:
         step_s = statistics.median(r["step_time_s"] for r in result.records[shape["warmup"]:])
         n_params = result.parallel.n_params
     if n_params is None:  # the same model; count it the way fivefold does (on meta: no memory, no init)
-        from fivefold.models import Transformer
+        from fivefold.models import build_meta_model
 
-        with torch.device("meta"):
-            n_params = sum(p.numel() for p in Transformer(cfg.model).parameters())
+        n_params = sum(p.numel() for p in build_meta_model(cfg.model).parameters())
     peak = peak_flops(device, shape["dtype"])
-    mfu = flops_per_token(cfg.model, n_params, shape["seq_len"]) * tokens / step_s / peak if peak else None
+    # The trainer's and the planner's MFU formula (active parameters): one device, so tokens/s per device.
+    mfu = model_stats(cfg.model).mfu(shape["seq_len"], tokens / step_s, peak) if peak else None
     mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"variant": name, "tokens_per_sec": tokens / step_s, "step_time_s": step_s, "mfu": mfu,
             "peak_mem_bytes": mem, "n_params": n_params, "wall_s": time.perf_counter() - start}

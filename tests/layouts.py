@@ -32,6 +32,11 @@ BASE = {
 #   weights by an update's size: a last update skipped on one rank (invisible to losses and
 #   norms) moves them by 5e-4 to 7e-4 and fails all 8 layouts of the 8-rank matrix (bounds
 #   1.6e-5 to 1e-4).
+# - The same measurement bounds losses and gradient norms where the run itself is sensitive:
+#   NOISE_MARGIN times their largest relative change under the other micro-batch split, never less
+#   than LOSS_RTOL. A trajectory can pass a point where the gradient norm reacts 300x more to
+#   summation order than usual (tiny-qwen3 at seed 3, step 4: 6.3e-5 from the micro-batch split
+#   alone, the q/k norms' gradients nearly cancelling); elsewhere the bound stays 1e-5.
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 NOISE_MARGIN = 4.0
@@ -55,10 +60,12 @@ class Run:
     weights: dict[str, torch.Tensor]  # whole tensors, gathered
     comm: dict[str, int]  # the ledger of the last step
     state_bytes: dict[str, int]  # this rank's parameter / gradient / optimizer bytes
-    local_wq: torch.Tensor  # this rank's piece of the first wq weight it holds
+    local_wq: torch.Tensor | None  # this rank's piece of the first wq weight it holds
     # Reference runs only: the largest weight difference between this run and the same settings
     # accumulated in another micro-batch split (the reassociation noise of the tolerance rule).
     weight_noise: float = 0.0
+    loss_noise: float = 0.0  # ... and the largest relative change of a step's loss
+    norm_noise: float = 0.0  # ... and of a step's gradient norm
 
 
 def run_layout(overrides: dict) -> Run:
@@ -69,11 +76,12 @@ def run_layout(overrides: dict) -> Run:
 
     result = train(tiny_config(overrides))
     first_block = next(iter(result.parallel.parts[0].layers.values()))
-    wq = first_block.attention.wq.weight
+    # The decoder families' query projection (MLA's has other names: None there).
+    wq = dict(first_block.named_parameters()).get("attention.wq.weight")
+    local_wq = None if wq is None else (wq.to_local() if isinstance(wq, DTensor) else wq).detach().clone()
     return Run(losses=result.losses, grad_norms=[r["grad_norm"] for r in result.records],
                weights=result.parallel.full_state_dict(), comm=result.records[-1]["comm_bytes"],
-               state_bytes=result.state_bytes,
-               local_wq=(wq.to_local() if isinstance(wq, DTensor) else wq).detach().clone())
+               state_bytes=result.state_bytes, local_wq=local_wq)
 
 
 def run_layouts(layouts: list[dict]) -> list:
@@ -98,6 +106,8 @@ def _reference(key: str):
     settings = json.loads(key)
     run, other = run_layout(settings), run_layout(reassociated(settings))
     run.weight_noise = max((run.weights[n] - other.weights[n]).abs().max().item() for n in run.weights)
+    run.loss_noise = max(abs(a - b) / abs(a) for a, b in zip(run.losses, other.losses))
+    run.norm_noise = max(abs(a - b) / abs(a) for a, b in zip(run.grad_norms, other.grad_norms))
     return run
 
 
@@ -111,13 +121,15 @@ def reference(model_and_train: dict | None = None):
 
 def assert_same_run(got, want, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL, label=""):
     weight_atol = max(weight_atol, NOISE_MARGIN * want.weight_noise)
+    norm_rtol = max(loss_rtol, NOISE_MARGIN * want.norm_noise)
+    loss_rtol = max(loss_rtol, NOISE_MARGIN * want.loss_noise)
     losses, norms, weights = got.losses, got.grad_norms, got.weights
     ref_losses, ref_norms, ref_weights = want.losses, want.grad_norms, want.weights
     assert len(losses) == len(ref_losses), label
     for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
-        assert abs(a - b) <= loss_rtol * abs(b), f"{label}: step {step} loss {a} != {b}"
+        assert abs(a - b) <= loss_rtol * abs(b), f"{label}: step {step} loss {a} != {b} (bound {loss_rtol:.1e} relative)"
     for step, (a, b) in enumerate(zip(norms, ref_norms), 1):
-        assert abs(a - b) <= loss_rtol * abs(b), f"{label}: step {step} grad norm {a} != {b}"
+        assert abs(a - b) <= norm_rtol * abs(b), f"{label}: step {step} grad norm {a} != {b} (bound {norm_rtol:.1e} relative)"
     assert weights.keys() == ref_weights.keys(), f"{label}: parameter names differ"
     for name, tensor in weights.items():
         diff = (tensor - ref_weights[name]).abs().max().item()

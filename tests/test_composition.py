@@ -20,6 +20,10 @@ DENSE = {"n_layers": 4}
 MOE = {"n_layers": 4, "moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias"}}
 # One sequence per micro-batch: dp2 gives 4 micro-batches per step, enough for every schedule at pp2.
 TRAIN = {"micro_batch": 1}
+# The other families (tests/test_families.py has each dimension alone): 4 layers of their tiny presets,
+# at seed 5 (as there: seed 3 makes their step-4 gradient norm 300x more sensitive to summation order).
+QWEN3 = {"preset": "tiny-qwen3", "n_layers": 4}
+QWEN3_MOE = {"preset": "tiny-qwen3-moe", "n_layers": 4}
 # With tp, AdamW's m/sqrt(v) amplifies row-parallel reassociation on weights whose gradients nearly
 # cancel (tests/test_pipeline.py TP_WEIGHT_ATOL; measured ~6e-5 on 8 layers); the same here.
 TP_WEIGHT_ATOL = 1e-4
@@ -39,7 +43,7 @@ def world(l: dict) -> int:
 
 def label(l: dict) -> str:
     p, t = l["parallel"], l["train"]
-    kind = "moe" if "moe" in l["model"] else "dense"
+    kind = l["model"].get("preset", "moe" if "moe" in l["model"] else "dense")
     extra = "".join(f" {k}={v}" for k, v in t.items() if k != "micro_batch")
     return (f"{kind} dp{p['dp']} z{p['zero']} tp{p['tp']} pp{p['pp']}/{p['pp_schedule']} "
             f"cp{p['cp']}/{p['cp_method']} ep{p['ep']}{extra}")
@@ -52,6 +56,8 @@ FULL = [
     layout(MOE, dp=2, zero=0, tp=2, pp=2, schedule="interleaved_1f1b", cp=2, method="allgather", ep=2,
            recompute="selective"),
     layout(DENSE, dp=2, zero=3, tp=2, pp=2, schedule="interleaved_1f1b", cp=2, recompute="full"),
+    layout(QWEN3, dp=2, zero=1, tp=2, pp=2, cp=2, method="ulysses", seed=5),
+    layout(QWEN3_MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, seed=5),
 ]
 # Checked against the fp32 reference within 2% (bf16 keeps 8 mantissa bits) rather than 1e-5.
 BF16 = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, dtype="bf16")
@@ -204,5 +210,5 @@ def test_matrix_covers_every_value():
     seen = {key: {l["parallel"][key] for l in every} for key in ("dp", "zero", "tp", "pp", "cp", "ep")}
     assert seen == {"dp": {1, 2}, "zero": {0, 1, 3}, "tp": {1, 2}, "pp": {1, 2}, "cp": {1, 2}, "ep": {1, 2, 4}}
     assert {l["parallel"]["pp_schedule"] for l in every if l["parallel"]["pp"] > 1} == set(SCHEDULE_VIRTUAL)
-    assert {l["parallel"]["cp_method"] for l in every if l["parallel"]["cp"] > 1} == {"ring", "allgather"}
+    assert {l["parallel"]["cp_method"] for l in every if l["parallel"]["cp"] > 1} == {"ring", "allgather", "ulysses"}
     assert all(len(l) == 3 and world(l) in (8, 16) for l in every)

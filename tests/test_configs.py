@@ -12,7 +12,8 @@ from fivefold.config import load_config
 from fivefold.validate import check_supported, validate
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
-REAL_MODELS = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "deepseek-v3-style")
+REAL_MODELS = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "deepseek-v3-style",
+               "qwen3-8b", "qwen3-30b-a3b")
 
 
 def promised_world(path: Path) -> tuple[str, int]:

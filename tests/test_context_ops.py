@@ -19,17 +19,21 @@ from fivefold.parallel.context import SequenceSplit, local_positions
 
 TOL = 1e-5  # fp32
 METHODS = ("ring", "allgather", "ulysses")
-# (batch, heads, kv_heads, seq, head_dim): GQA, MQA and plain multi-head; odd head dims; batch > 1.
-SHAPES = [(2, 4, 2, 16, 5), (1, 4, 1, 24, 7), (3, 4, 4, 8, 3), (2, 8, 2, 32, 9)]
+# (batch, heads, kv_heads, seq, head_dim[, v_head_dim]): GQA, MQA and plain multi-head; odd head
+# dims; batch > 1; V's head dim other than Q's and K's (Multi-head Latent Attention: 6 vs 4, and
+# wider under GQA).
+SHAPES = [(2, 4, 2, 16, 5), (1, 4, 1, 24, 7), (3, 4, 4, 8, 3), (2, 8, 2, 32, 9), (2, 4, 4, 16, 6, 4),
+          (1, 4, 2, 16, 5, 8)]
 
 
 def _whole(shape, seed):
-    batch, heads, kv_heads, seq, head_dim = shape
+    batch, heads, kv_heads, seq, head_dim = shape[:5]
+    v_dim = shape[5] if len(shape) > 5 else head_dim
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, seq, head_dim, generator=g)
     k = torch.randn(batch, kv_heads, seq, head_dim, generator=g)
-    v = torch.randn(batch, kv_heads, seq, head_dim, generator=g)
-    dout = torch.randn(batch, heads, seq, head_dim, generator=g)
+    v = torch.randn(batch, kv_heads, seq, v_dim, generator=g)
+    dout = torch.randn(batch, heads, seq, v_dim, generator=g)
     return q, k, v, dout
 
 
@@ -118,7 +122,7 @@ def test_block_math_with_small_query_tiles(monkeypatch, causal, kernel):
     time here) changes nothing."""
     monkeypatch.setattr(attention_blocks, "TILE_ELEMENTS", 250)  # batch 2 x 4 heads x 7-10 keys per row
     if kernel == "plain":  # the path for devices without a fused kernel
-        monkeypatch.setattr(attention_blocks, "use_cpu_flash_kernel", lambda q: False)
+        monkeypatch.setattr(attention_blocks, "use_cpu_flash_kernel", lambda q, v: False)
     g = torch.Generator().manual_seed(0)
     q, dout = torch.randn(2, 4, 10, 6, generator=g), torch.randn(2, 4, 10, 6, generator=g)
     lk = 10 if causal else 7

@@ -1,4 +1,5 @@
-"""Data: corpus, tokenizers, packing into windows, and the layout-independent, resumable sampler."""
+"""Data: corpus, tokenizers, packing into windows, the layout-independent, resumable sampler;
+prepared (memory-mapped) folders, held-out documents and weighted mixtures."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import string
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from fivefold.config import ConfigError, DataConfig
 from fivefold.train.data import (ByteTokenizer, GlobalBatchSampler, HFTokenizer, Split, documents,
-                                 load_splits, rank_slice)
+                                 load_splits, load_training_data, rank_slice)
+from fivefold.train.mixture import BLOCK, parse_mix
+from fivefold.train.token_shards import TokenShards, held_out_ranges, prepared_splits
 
 SAMPLE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
           "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.\n") * 8
@@ -152,6 +156,25 @@ def test_jsonl_missing_field(tmp_path):
     assert str(info.value) == f"{source}:2 has no field 'text'; set data.text_field"
 
 
+def test_raw_parquet_and_saved_dataset_are_read_by_batches(tmp_path, monkeypatch):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fivefold.train import readers
+
+    monkeypatch.setattr(readers, "BATCH_ROWS", 7)  # many batches and row groups, not one read
+    texts = [f"row {i} ✓" for i in range(50)]
+    pq.write_table(pa.table({"text": texts, "n": list(range(50))}), tmp_path / "t.parquet", row_group_size=16)
+    datasets.Dataset.from_dict({"body": texts[::-1]}).save_to_disk(str(tmp_path / "saved"))
+    assert list(documents(DataConfig(source=str(tmp_path / "t.parquet")))) == texts
+    assert list(documents(DataConfig(source=str(tmp_path / "saved"), text_field="body"))) == texts[::-1]
+    with pytest.raises(ConfigError) as info:
+        list(documents(DataConfig(source=str(tmp_path / "saved"))))
+    arrow = tmp_path / "saved" / "data-00000-of-00001.arrow"
+    assert str(info.value) == f"{arrow} has no column 'text' (it has body); set data.text_field"
+
+
 def test_folder_of_files(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "a.txt").write_text("from a")
@@ -167,7 +190,7 @@ def test_folder_of_files(tmp_path):
 def test_empty_folder_and_too_little_text(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ConfigError, match=f"data.source '{empty}' holds no .txt/.md/.py/.jsonl/.parquet files"):
+    with pytest.raises(ConfigError, match=f"data.source '{empty}' holds no .txt/.md/.py/.jsonl/.parquet/.arrow files"):
         load_splits(DataConfig(source=str(empty)), seq_len=4, vocab_size=256)
     short = tmp_path / "short.txt"
     short.write_text("tiny")
@@ -297,3 +320,173 @@ def test_sampler_covers_windows_uniformly():
     sampler = GlobalBatchSampler(24, 6, seed=5)
     counts = torch.bincount(torch.cat([sampler.indices(k) for k in range(12)]), minlength=24)
     assert counts.tolist() == [3] * 24
+
+
+# ---------------------------------------------------------------- prepared folders and mixtures
+
+def _prepare_jsonl(folder, docs, unit_bytes=4000):
+    from fivefold.train.prepare import prepare
+
+    source = folder.parent / (folder.name + ".jsonl")
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare([str(source)], "byte", str(folder), workers=1, unit_bytes=unit_bytes, progress=False)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """Two prepared folders of many shards: A's text is all 'a'-words, B's all 'b'-words, so a
+    token's value tells which source it came from."""
+    root = tmp_path_factory.mktemp("prepared")
+    a = _prepare_jsonl(root / "A", [f"{'a' * (3 + i % 5)} " * (5 + i % 13) for i in range(600)])
+    b = _prepare_jsonl(root / "B", [f"{'b' * (2 + i % 4)} " * (4 + i % 9) for i in range(400)])
+    return a, b
+
+
+def test_mapped_windows_equal_the_in_memory_packing(prepared):
+    shards = TokenShards(prepared[0])
+    assert len(shards.files) > 5
+    mapped, _ = prepared_splits(prepared[0], seq_len=16, val_fraction=0.0)
+    in_memory = Split(torch.from_numpy(shards.read(0, shards.num_tokens)), seq_len=16)
+    assert mapped.num_windows == in_memory.num_windows
+    picked = torch.tensor([0, 1, 5, in_memory.num_windows - 1, 77, 3])
+    assert torch.equal(mapped.windows(picked), in_memory.windows(picked))  # windows crossing shard edges too
+
+
+def test_held_out_split_is_whole_documents_spread_over_the_corpus(prepared):
+    shards = TokenShards(prepared[0])
+    train, val = held_out_ranges(shards, 0.1)
+    assert held_out_ranges(shards, 0.1) == (train, val)  # reproducible
+    starts = set(shards.document_starts.tolist()) | {shards.num_tokens}
+    assert all(a in starts and b in starts for a, b in train + val)  # cut only at document starts
+    covered = sorted(train + val)
+    assert covered[0][0] == 0 and covered[-1][1] == shards.num_tokens
+    assert all(x[1] == y[0] for x, y in zip(covered, covered[1:]))  # disjoint, together the whole stream
+    held_docs = sum(int(np.searchsorted(shards.document_starts, b) - np.searchsorted(shards.document_starts, a))
+                    for a, b in val)
+    assert held_docs == 60  # 10% of 600 documents
+    assert len(val) > 3  # many pieces, not one tail
+    assert min(a for a, _ in val) < shards.num_tokens / 2  # some held-out text early in the corpus
+    assert held_out_ranges(shards, 0.0) == ([(0, shards.num_tokens)], [])
+
+
+def _batch_sets(a, b):
+    cfg_one = DataConfig(source=a, val_fraction=0.05)
+    cfg_mix = DataConfig(mix=f"{a}:0.7,{b}:0.3", val_fraction=0.05)
+    return {"prepared": load_training_data(cfg_one, 16, 256, 8, seed=4)[0],
+            "mixture": load_training_data(cfg_mix, 16, 256, 8, seed=4)[0]}
+
+
+def test_mixture_token_shares_match_the_weights_over_1000_steps(prepared):
+    batches = _batch_sets(*prepared)["mixture"]
+    from_a = total = 0
+    for step in range(1000):
+        batch = batches.rank_batch(step)
+        letters = batch[(batch != ord(" ")) & (batch != ord("\n"))]
+        assert bool(((letters == ord("a")) | (letters == ord("b"))).all())
+        rows_from_a = ((batch == ord("a")).any(1) & ~(batch == ord("b")).any(1)).sum()
+        from_a += int(rows_from_a)
+        total += batch.shape[0]
+    assert abs(from_a / total - 0.7) < 0.01, from_a / total
+    counted = batches.source_tokens(1000)
+    assert counted == {prepared[0]: from_a * 16, prepared[1]: (total - from_a) * 16}
+    # A weight stays a weight: 0.9 / 0.1 gives 0.9 / 0.1.
+    skewed = load_training_data(DataConfig(mix=f"{prepared[0]}:9,{prepared[1]}:1"), 16, 256, 8, seed=4)[0]
+    shares = skewed.source_tokens(1000)
+    assert abs(shares[prepared[0]] / sum(shares.values()) - 0.9) < 0.01
+
+
+def test_mixture_schedule_is_a_function_of_the_step(prepared):
+    one = _batch_sets(*prepared)["mixture"]
+    two = _batch_sets(*prepared)["mixture"]
+    later_first = {k: two.rank_batch(k) for k in (BLOCK // 8 + 3, 700, 1, 0)}  # any order; across a block edge
+    for k, batch in sorted(later_first.items()):
+        assert torch.equal(one.rank_batch(k), batch), k
+    assert not torch.equal(one.rank_batch(0), one.rank_batch(1))
+
+
+def test_mix_settings_are_checked(prepared, tmp_path):
+    a, b = prepared
+    assert parse_mix(f"{a}:3,{b}:1") == [(a, 0.75), (b, 0.25)]
+    for bad in (f"{a}", f"{a}:0", f"{a}:x,{b}:1", ":1"):
+        with pytest.raises(ConfigError, match="must be FOLDER:WEIGHT with a weight > 0"):
+            parse_mix(bad)
+    with pytest.raises(ConfigError, match="names .* twice"):
+        parse_mix(f"{a}:1,{a}:2")
+    from fivefold.config import load_config
+    from fivefold.validate import validate
+
+    with pytest.raises(ConfigError, match="data.mix and data.source=.* are both set"):
+        validate(load_config(None, {"data": {"mix": f"{a}:1,{b}:1", "source": a}}))
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(None, {"data": {"mix": f"{a}:1,{tmp_path}/none:1"}}))
+    assert str(info.value) == (f"data.mix folder '{tmp_path}/none' does not exist; make it with "
+                               f"`fivefold prepare SRC --out {tmp_path}/none`")
+    with pytest.raises(ConfigError, match=f"'{tmp_path}' is not a prepared folder"):
+        validate(load_config(None, {"data": {"mix": f"{a}:1,{tmp_path}:1"}}))
+
+
+def _batches_on_rank(a, b, steps):
+    """Each rank of a 4-rank world reads its own share for dp = 1, 2, 4 (ranks >= dp read nothing)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = {}
+    for label, batches in _batch_sets(a, b).items():
+        for dp in (1, 2, 4):
+            shares = [batches.rank_batch(k, rank, dp) if rank < dp else None for k in steps]
+            gathered = [None] * 4
+            dist.all_gather_object(gathered, shares)
+            out[label, dp] = [torch.cat([gathered[r][i] for r in range(dp)]) for i in range(len(steps))]
+    return out if rank == 0 else None
+
+
+def test_batch_of_step_k_is_identical_for_dp_1_2_4(prepared):
+    from ranks import run_on_ranks
+
+    steps = [0, 1, 37, 600]
+    results = run_on_ranks(4, _batches_on_rank, *prepared, steps, timeout_s=240)[0]
+    for label, batches in _batch_sets(*prepared).items():
+        want = [batches.rank_batch(k) for k in steps]  # one process reads the whole global batch
+        for dp in (1, 2, 4):
+            for k, got, expected in zip(steps, results[label, dp], want):
+                assert torch.equal(got, expected), f"{label} dp={dp} step {k}"
+
+
+def test_training_resumes_mid_epoch_bit_for_bit(prepared, tmp_path):
+    """A mixture run saved at step 3 of 6 continues exactly (the epoch is far from over)."""
+    from layouts import tiny_config
+
+    from fivefold.train.trainer import train
+
+    settings = {"data": {"mix": f"{prepared[0]}:0.6,{prepared[1]}:0.4"}, "log": {"every": 2, "dir": str(tmp_path)},
+                "model": {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64}}
+    full = train(tiny_config({**settings, "checkpoint": {"dir": str(tmp_path / "ck"), "every": 3}}))
+    batches = _batch_sets(*prepared)["mixture"]
+    assert 6 * 8 < min(s.num_windows for s in batches.splits)  # mid-epoch for both sources
+    resumed = train(tiny_config({**settings, "checkpoint": {"resume": str(tmp_path / "ck" / "step_00000003")}}))
+    assert [r["step"] for r in resumed.records] == [4, 5, 6]
+    assert resumed.losses == full.losses[3:]
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    per_source = [r["source_tokens"] for r in logged if "source_tokens" in r]
+    assert len(per_source) == 3 + 2  # steps 2, 4, 6 of the first run; 4, 6 of the resumed one
+    assert sum(per_source[2].values()) == 6 * 8 * 32  # cumulative inputs: steps x batch x seq_len
+
+
+def test_mix_of_different_tokenizers_is_refused(prepared, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from fivefold.config import load_config
+    from fivefold.train.prepare import prepare
+    from fivefold.validate import validate
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "words.json"))
+    (tmp_path / "w.jsonl").write_text(json.dumps({"text": "a a"}) + "\n")
+    prepare([str(tmp_path / "w.jsonl")], str(tmp_path / "words.json"), str(tmp_path / "W"), workers=1, progress=False)
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(None, {"data": {"mix": f"{prepared[0]}:1,{tmp_path}/W:1"}}))
+    assert str(info.value).startswith(f"data.mix folders were prepared with different tokenizers ({prepared[0]}: "
+                                      f"byte, {tmp_path}/W: words.json sha256 ")
+    assert str(info.value).endswith("); prepare them all with the same one")

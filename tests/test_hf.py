@@ -113,16 +113,16 @@ def test_export_refuses_moe_that_is_not_mixtral():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(attention_bias=True), "sets attention_bias=true; fivefold's Llama has no biases"),
+    (dict(attention_bias=True), "sets attention_bias=true; fivefold's projections have no biases"),
     (dict(mlp_bias=True), "sets mlp_bias=true"),
-    (dict(head_dim=32), "has head_dim=32 but fivefold needs head_dim = hidden_size/num_attention_heads = 16"),
+    (dict(head_dim=None, hidden_size=66), "has hidden_size=66 not divisible by num_attention_heads=4 and no head_dim"),
     (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "uses rope_type 'yarn'"),
     (dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4)), "uses rope_type 'linear'"),
-    (dict(model_type="mistral"), "has model_type 'mistral'; fivefold reads Llama and Mixtral checkpoints only"),
+    (dict(model_type="mistral"), "has model_type 'mistral'; fivefold reads model_type 'llama', 'mixtral', 'qwen3', 'qwen3_moe'"),
     (dict(hidden_act="gelu"), "has hidden_act 'gelu'"),
     (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "uses rope_type 'llama3' but lacks some of"),
-    (dict(num_key_value_heads=3), "has hidden_size=64, num_attention_heads=4, num_key_value_heads=3; the "
-                                  "heads must divide hidden_size and the kv heads must divide the heads"),
+    (dict(num_key_value_heads=3), "has num_attention_heads=4 and num_key_value_heads=3; the kv heads "
+                                  "must divide the heads"),
 ])
 def test_config_rejects_what_the_model_cannot_express(change, message):
     raw = {**hf_config().to_dict(), **change}
@@ -143,7 +143,7 @@ def _edit_weights(folder, edit) -> None:
     (lambda t: t.update({"model.norm.weight": torch.ones(65)}),
      ["tensor model.norm.weight in ", "has shape [65], but config.json implies [64]"]),
     (lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.ones(64)}),
-     ["holds tensor model.layers.0.self_attn.q_proj.bias, which fivefold's Llama has no place for"]),
+     ["holds tensor model.layers.0.self_attn.q_proj.bias, which fivefold's llama has no place for"]),
 ])
 def test_bad_weights_get_one_sentence(tmp_path, edit, parts):
     hf_model(tmp_path, "llama3-untied")

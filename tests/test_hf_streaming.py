@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 from fivefold.config import ConfigError  # noqa: E402
 from fivefold.convert import checkpoint_to_model, convert, hf_to_checkpoint  # noqa: E402
 from fivefold.models import build_meta_model, build_model  # noqa: E402
-from fivefold.models.hf import config_from_hf, hf_box_reader, hf_name, load_pretrained, save_hf  # noqa: E402
+from fivefold.models.hf import config_from_hf, hf_box_reader, load_pretrained, save_hf  # noqa: E402
+from fivefold.models.registry import model_spec  # noqa: E402
 from fivefold.models.hf_stream import HFBoxes, make_random_hf_llama  # noqa: E402
 from fivefold.train.checkpoint import read_tensors  # noqa: E402
 
@@ -72,7 +73,7 @@ def source(name: str, tied: bool, expert: int | None = None) -> str:
     if expert is not None:  # layers.L.feed_forward.experts.w1 -> ...block_sparse_moe.experts.E.w1.weight
         layer, w = name.split(".")[1], name.rsplit(".", 1)[1]
         return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight"
-    return hf_name(name)
+    return model_spec("mixtral" if "router" in name else "llama").hf.hf_name(name)
 
 
 def random_box(shape, gen) -> tuple[tuple, tuple]:

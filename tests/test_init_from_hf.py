@@ -52,7 +52,7 @@ def _first_global_batch(cfg) -> torch.Tensor:
 
 
 def test_training_starts_from_the_folder_under_dp2_tp2_pp2(hf_folder):
-    from fivefold.models import Transformer
+    from fivefold.models import build_model
 
     folder, hf_model = hf_folder
     results = run_on_ranks(8, _start_from_folder, str(folder))
@@ -63,7 +63,7 @@ def test_training_starts_from_the_folder_under_dp2_tp2_pp2(hf_folder):
         want_logits = hf_model(inputs).logits
     want_loss = torch.nn.functional.cross_entropy(want_logits.flatten(0, 1), labels.flatten()).item()
     for rank, (weights, loss) in enumerate(results):
-        ours = Transformer(cfg.model)
+        ours = build_model(cfg.model, seed=0)
         ours.load_state_dict(weights, strict=True)
         with torch.no_grad():
             diff = (ours.eval()(inputs) - want_logits).abs().max().item()

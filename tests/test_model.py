@@ -8,7 +8,7 @@ import torch
 
 from fivefold.config import ModelConfig
 from fivefold.models import build_model
-from fivefold.models.llama import CausalAttention, apply_rope, rope_inverse_frequencies
+from fivefold.models.decoder import CausalAttention, apply_rope, rope_inverse_frequencies
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128,
                   tie_embeddings=False)

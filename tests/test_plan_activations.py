@@ -2,14 +2,17 @@
 activation bytes per rank ('fivefold' recipe, plan/memory.py) within 10% of what one
 micro-batch's forward really keeps for backward (train/activation_probe.py), for fp32 and bf16
 autocast, tensor (with and without sequence), context and expert parallelism, dense and MoE
-blocks, and each recomputation mode.
+blocks, and each recomputation mode; for the llama-style tiny model and (issue 17) the tiny
+qwen3 and qwen3_moe presets, whose per-head q/k norms and queries wider than the residual stream
+(head_dim 48 x 4 heads = 192 > dim 128) the recipe must count.
 
-A sequence of 256 tokens makes activations dominate the small fixed tensors (RoPE tables)."""
+A sequence of 256 tokens makes activations dominate the small fixed tensors."""
 
 import pytest
 import torch
 
-from layouts import tiny_config
+from fivefold.presets import PRESETS
+from layouts import BASE, tiny_config
 from ranks import run_on_ranks
 
 SHAPE = {"train": {"seq_len": 256, "micro_batch": 2, "global_batch": 2}}
@@ -19,7 +22,13 @@ def _with(parallel: dict, **train) -> dict:
     return {"parallel": parallel, "train": {**SHAPE["train"], **train}}
 
 
+def _preset(name: str) -> dict:
+    """A preset whole: the BASE shape tiny_config starts from would override its own."""
+    return {"model": {"preset": name, **{key: PRESETS[name][key] for key in BASE["model"]}}}
+
+
 MOE = {"model": {"moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}}}
+QWEN3 = {"qwen3": _preset("tiny-qwen3"), "qwen3-moe": _preset("tiny-qwen3-moe")}
 ONE_RANK = {f"{dtype} {mode}": _with({}, recompute=mode, dtype=dtype)
             for dtype in ("fp32", "bf16") for mode in ("none", "selective", "full")}
 ONE_RANK.update({f"moe {dtype} {mode}": {**MOE, **_with({}, recompute=mode, dtype=dtype)}
@@ -35,6 +44,26 @@ TWO_RANKS.update({
     "moe dp2 ep2": {**MOE, **_with({"dp": 2, "ep": 2}, global_batch=4)},
     "moe tp2": {**MOE, **_with({"tp": 2})},
 })
+for family, model in QWEN3.items():
+    ONE_RANK.update({f"{family} {dtype} {mode}": {**model, **_with({}, recompute=mode, dtype=dtype)}
+                     for dtype in ("fp32", "bf16") for mode in ("none", "selective", "full")})
+    TWO_RANKS.update({f"{family} {label}": {**model, **layout} for label, layout in {
+        **{f"tp2 {mode}": _with({"tp": 2}, recompute=mode) for mode in ("none", "selective", "full")},
+        "tp2 no-sp none": _with({"tp": 2, "sp": False}),
+        "tp2 bf16 none": _with({"tp": 2}, dtype="bf16"),
+        "tp2 bf16 selective": _with({"tp": 2}, dtype="bf16", recompute="selective"),
+        "cp2 ring": _with({"cp": 2}),
+        "cp2 ulysses": _with({"cp": 2, "cp_method": "ulysses"}),
+        "cp2 ring selective": _with({"cp": 2}, recompute="selective"),
+    }.items()})
+TWO_RANKS["qwen3-moe dp2 ep2"] = {**QWEN3["qwen3-moe"], **_with({"dp": 2, "ep": 2}, global_batch=4)}
+
+# The same cases with wider heads (head_dim 64: q 256, kv 128): what the q-width terms add is a few
+# percent of the whole, so test_q_width_terms compares the change with the predicted change.
+WIDER = {"qwen3 fp32 none": ONE_RANK, "qwen3 bf16 selective": ONE_RANK, "qwen3 cp2 ring": TWO_RANKS}
+for label, cases in WIDER.items():
+    case = cases[label]
+    cases[f"{label} head_dim 64"] = {**case, "model": {**case["model"], "head_dim": 64}}
 
 
 def _measure(layouts: dict) -> dict:
@@ -76,6 +105,27 @@ def test_predicted_activations_match_what_the_forward_keeps(measured, label):
 
 def test_measurement_sees_recomputation(measured):
     # The probe is a measurement, not the formula: each mode keeps strictly less.
-    for dtype in ("fp32", "bf16"):
-        assert measured[f"{dtype} none"] > measured[f"{dtype} selective"] > measured[f"{dtype} full"]
-    assert measured["tp2 none"] < measured["tp2 no-sp none"]  # sequence parallelism splits the norms
+    for model in ("", "qwen3 ", "qwen3-moe "):
+        for dtype in ("fp32", "bf16"):
+            assert (measured[f"{model}{dtype} none"] > measured[f"{model}{dtype} selective"]
+                    > measured[f"{model}{dtype} full"])
+        assert measured[f"{model}tp2 none"] < measured[f"{model}tp2 no-sp none"]  # sp splits the norms
+
+
+def test_qwen3_cases_have_queries_wider_than_the_stream():
+    # What makes them worth measuring: a recipe that took q = dim would be off by 20% and more.
+    for model in QWEN3.values():
+        m = tiny_config(model).model
+        assert m.n_heads * m.head_dim > m.dim and m.family.startswith("qwen3")
+
+
+@pytest.mark.parametrize("label", WIDER)
+def test_q_width_terms(measured, label):
+    """From head_dim 48 to 64 every query-wide tensor (q, the attention output, its copy under cp,
+    the q/k norms' input and x·rstd) grows: the bytes added match the recipe's."""
+    cases = {**ONE_RANK, **TWO_RANKS}
+    wider = f"{label} head_dim 64"
+    want = measured[wider] - measured[label]
+    got = _predicted(cases[wider]) - _predicted(cases[label])
+    assert want > 0 and abs(got - want) <= 0.10 * want, \
+        f"{label}: predicted +{got:,.0f} B, measured +{want:,} B"

@@ -14,6 +14,7 @@ from ranks import run_on_ranks
 
 MOE = {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}
 FOUR_LAYERS = {"n_layers": 4}
+QWEN3 = {"preset": "tiny-qwen3"}  # its family and head_dim; the shape stays tiny_config's
 TWO_RANKS = {
     "tp2": {"parallel": {"tp": 2}},
     "tp2 no-sp": {"parallel": {"tp": 2, "sp": False}},
@@ -29,6 +30,10 @@ TWO_RANKS = {
     # MoE layers run replicated over tp: 2 gathers per MoE layer with sp, none without
     "moe tp2": {"model": {"moe": MOE}, "parallel": {"tp": 2}},
     "moe tp2 no-sp": {"model": {"moe": MOE}, "parallel": {"tp": 2, "sp": False}},
+    # Qwen3's queries are wider than the stream (4 heads x 48 = 192 > dim 64): Ulysses moves q and
+    # the output at that width, tp the hidden states at dim.
+    "qwen3 cp2 ulysses": {"model": QWEN3, "parallel": {"cp": 2, "cp_method": "ulysses"}},
+    "qwen3 tp2": {"model": QWEN3, "parallel": {"tp": 2}},
 }
 FOUR_RANKS = {
     "cp4 ring": {"parallel": {"cp": 4}},

@@ -1,4 +1,4 @@
-"""`fivefold train | config show | plan`: parse, call, print. No logic lives here."""
+"""`fivefold train | config show | plan | prepare | ...`: parse, call, print. No logic lives here."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ USAGE = """usage:
   fivefold layout CONFIG --build [--rank R] [--json]   (build rank R's real shard here; what it holds)
   fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--layout "dp=8,tp=2,..."] [--json]
   fivefold convert SRC DST   (fivefold checkpoint <-> Hugging Face folder, direction from SRC)
+  fivefold prepare SRC... --tokenizer byte|TOKENIZER.json --out DIR [--workers N] [--text-field text]
   fivefold viz schedule --schedule 1f1b --pp 4 [--virtual 1] [--micro-batches 8] --out FILE.png
 """
 
@@ -159,7 +160,29 @@ def cmd_convert(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "layout": cmd_layout, "config": cmd_config, "plan": cmd_plan, "viz": cmd_viz,
+def cmd_prepare(args: list[str]) -> int:
+    """Tokenize text/jsonl/parquet/Arrow files, folders or globs into a prepared folder (data.source)."""
+    parser = argparse.ArgumentParser(prog="fivefold prepare", add_help=False)
+    parser.add_argument("sources", nargs="*")
+    parser.add_argument("--tokenizer", default="byte")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--workers", type=int, default=0)  # 0: one per core
+    parser.add_argument("--text-field", default="text")
+    own, unknown = parser.parse_known_args(args)
+    if unknown or not own.out or not own.sources:
+        raise ConfigError("usage: fivefold prepare SRC... --tokenizer byte|TOKENIZER.json --out DIR "
+                          "[--workers N] [--text-field text]" + (f" (unknown: {' '.join(unknown)})" if unknown else ""))
+    import time
+
+    from fivefold.train.prepare import prepare, summary
+
+    start = time.perf_counter()
+    manifest = prepare(own.sources, own.tokenizer, own.out, own.workers or None, own.text_field)
+    print(summary(manifest, own.out, time.perf_counter() - start))
+    return 0
+
+
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "layout": cmd_layout, "config": cmd_config, "plan": cmd_plan, "viz": cmd_viz,
             "convert": cmd_convert}
 
 

@@ -35,15 +35,26 @@ class MoEConfig:
     aux_loss_coeff: float = 0.01
     bias_update_rate: float = 0.001
     capacity_factor: float = 0.0  # 0 = dropless
+    norm_topk_prob: bool = True  # renormalise the top-k combine weights to sum to 1 (when top_k > 1)
+    dense_layers: str = ""  # e.g. "0,5": layers kept dense whatever `every`/`first_dense` say (Qwen's mlp_only_layers)
+    # Group-limited routing (DeepSeek-V3): experts in n_group equal groups, each token choosing among the
+    # topk_group groups whose two best (biased) scores sum highest; 1 and 1 = no grouping.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' combine weights (after renormalising)
 
 
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
+    # The ModelSpec (models/registry.py): llama, mixtral, qwen3, qwen3_moe. Empty = from the preset,
+    # or llama for a dense model and mixtral for an MoE one.
+    family: str = ""
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 2
+    head_dim: int = 0  # 0 = dim // n_heads (Qwen3 sets it explicitly: its heads need not add up to dim)
     ffn_dim: int = 384
     vocab_size: int = 256
     tie_embeddings: bool = True
@@ -54,15 +65,35 @@ class ModelConfig:
     rope_scaling: float = 0.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
+    rope_original_max_seq_len: int = 8192  # also YaRN's original context
+    # YaRN RoPE scaling (deepseek_v3), as Hugging Face's config writes it; rope_yarn_factor = 0 turns it off.
+    rope_yarn_factor: float = 0.0
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 0.0  # 0 = unset (Hugging Face's null)
+    rope_yarn_mscale_all_dim: float = 0.0  # 0 = unset; set, it also scales the softmax by its mscale squared
+    # Multi-head latent attention (deepseek_v3; kv_lora_rank = 0 elsewhere): keys and values expanded
+    # per head from a kv_lora_rank latent, plus one qk_rope_head_dim RoPE key shared by all heads;
+    # queries through a q_lora_rank latent (0 = one direct projection, as in DeepSeek-V2-Lite).
+    # head_dim is then the q/k head dim, qk_nope_head_dim + qk_rope_head_dim.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     moe: MoEConfig = field(default_factory=MoEConfig)
     # A Hugging Face folder (config.json + safetensors): the model's shape comes from its config.json
     # and a fresh run starts from its weights, each rank reading only the slices it holds.
     init_from: str = ""
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        # Derived defaults, fixed once the other keys are known (a config resolves in one go).
+        if not self.head_dim and self.kv_lora_rank > 0:
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if not self.head_dim and self.n_heads > 0:
+            self.head_dim = self.dim // self.n_heads
+        if not self.family:
+            self.family = "mixtral" if self.moe.n_experts > 0 else "llama"
 
 
 @dataclass
@@ -111,7 +142,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"  # builtin | path to a .txt/.jsonl/.parquet file or a folder of them
+    source: str = "builtin"  # builtin | a prepared folder (fivefold prepare) | a .txt/.jsonl/.parquet file or folder
+    mix: str = ""  # weighted prepared folders, "DIR_A:0.7,DIR_B:0.3" (instead of source)
     text_field: str = "text"  # jsonl/parquet column holding the text
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
     val_fraction: float = 0.05
@@ -152,7 +184,7 @@ class LogConfig:
 
 @dataclass
 class ClusterConfig:
-    """Only the planner reads this."""
+    """The planner's cluster; the trainer reads only `peak_tflops` (for MFU, where set)."""
     gpus: int = 0
     gpu: str = "h100"
     gpus_per_node: int = 8

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fivefold.config import Config, ConfigError, load_config, to_toml
-from fivefold.models.hf import DEFAULT_SHARD_BYTES, is_stacked, model_from_tensors
+from fivefold.models.hf import DEFAULT_SHARD_BYTES, model_from_tensors
 from fivefold.models.hf_stream import HFBoxes, write_hf_folder
 from fivefold.parallel.state import check_shapes
 from fivefold.train import sharded_io
@@ -94,7 +94,7 @@ class _OnDemand(sharded_io.Pieces):
     def __init__(self, reader: HFBoxes, name: str, shape: tuple, block_bytes: int):
         super().__init__(torch.Size(shape), torch.float32)
         self.reader, self.name = reader, name
-        for offsets, sizes in _boxes(shape, is_stacked(name), block_bytes):
+        for offsets, sizes in _boxes(shape, reader.adapter.is_stacked(name), block_bytes):
             self.add(offsets, torch.empty(sizes, device="meta"))
 
     def find(self, index) -> torch.Tensor:

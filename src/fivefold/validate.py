@@ -45,10 +45,16 @@ def _check_model(cfg: Config) -> None:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                 "rope_theta", "norm_eps"):
         _positive(f"model.{key}", getattr(m, key))
-    _divides("model.n_heads", m.n_heads, "model.dim", m.dim)
+    from fivefold.models.registry import FAMILIES
+
+    _one_of("model.family", m.family, FAMILIES)
+    _check_latent_attention(m)  # first: its head_dim sentence is more precise than the generic one
+    if m.head_dim == m.dim // m.n_heads:  # head_dim left to default: the heads must split dim exactly
+        _divides("model.n_heads", m.n_heads, "model.dim", m.dim)
     _divides("model.n_kv_heads", m.n_kv_heads, "model.n_heads", m.n_heads)
-    _require(m.head_dim % 2 == 0, f"model.dim/model.n_heads = {m.head_dim} must be even for RoPE; "
-             "change model.dim or model.n_heads")
+    _positive("model.head_dim", m.head_dim)
+    _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE; set model.head_dim "
+             "(or change model.dim or model.n_heads)")
     _require(m.rope_scaling >= 0, f"model.rope_scaling must be >= 0 (0 = off), got {m.rope_scaling}")
     e = m.moe
     if e.n_experts < 0:
@@ -63,6 +69,57 @@ def _check_model(cfg: Config) -> None:
         _positive("model.moe.every", e.every)
         _require(0 <= e.first_dense < m.n_layers, f"model.moe.first_dense={e.first_dense} must be "
                  f"between 0 and model.n_layers-1={m.n_layers - 1}")
+        _check_dense_layers(e.dense_layers, m.n_layers)
+        _check_group_routing(e)
+
+
+def _check_group_routing(e) -> None:
+    _positive("model.moe.n_group", e.n_group)
+    _divides("model.moe.n_group", e.n_group, "model.moe.n_experts", e.n_experts)
+    _require(1 <= e.topk_group <= e.n_group, f"model.moe.topk_group={e.topk_group} must be between 1 and "
+             f"model.moe.n_group={e.n_group}")
+    reachable = e.n_experts // e.n_group * e.topk_group
+    _require(e.top_k <= reachable, f"model.moe.top_k={e.top_k} exceeds the {reachable} experts of "
+             f"model.moe.topk_group={e.topk_group} groups of model.moe.n_experts/n_group="
+             f"{e.n_experts // e.n_group}; raise model.moe.topk_group or lower model.moe.top_k")
+    _require(e.routed_scaling_factor > 0, f"model.moe.routed_scaling_factor must be > 0, got "
+             f"{e.routed_scaling_factor}")
+
+
+def _check_latent_attention(m) -> None:
+    """Multi-head latent attention and YaRN exist in the deepseek_v3 family only, and it needs both
+    latent-attention head dims and a kv latent."""
+    mla = {"kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+           "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim}
+    if m.family != "deepseek_v3":
+        for key, value in {**mla, "rope_yarn_factor": m.rope_yarn_factor}.items():
+            _require(not value, f"model.{key}={value} is a latent-attention / YaRN key, which only "
+                     f"model.family=deepseek_v3 implements (model.family={m.family}); remove it")
+        return
+    for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        _positive(f"model.{key}", mla[key])
+    for key in ("q_lora_rank", "qk_nope_head_dim"):
+        _require(mla[key] >= 0, f"model.{key} must be >= 0, got {mla[key]}")
+    _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    _require(m.head_dim == qk, f"model.head_dim={m.head_dim} must be the q/k head dim model.qk_nope_head_dim"
+             f"+qk_rope_head_dim={qk} under latent attention; leave model.head_dim unset (0)")
+    _require(m.n_kv_heads == m.n_heads, f"model.n_kv_heads={m.n_kv_heads} must equal model.n_heads={m.n_heads}: "
+             "latent attention expands keys and values for every head")
+    _require(m.rope_scaling == 0, f"model.rope_scaling={m.rope_scaling} (Llama 3.1 RoPE) is not available in "
+             "model.family=deepseek_v3; use model.rope_yarn_factor, or set model.rope_scaling=0")
+    _require(m.rope_yarn_factor >= 0, f"model.rope_yarn_factor must be >= 0 (0 = off), got {m.rope_yarn_factor}")
+    if m.rope_yarn_factor > 0:
+        _positive("model.rope_original_max_seq_len", m.rope_original_max_seq_len)
+        _require(m.rope_yarn_beta_fast > m.rope_yarn_beta_slow > 0, "model.rope_yarn_beta_fast="
+                 f"{m.rope_yarn_beta_fast} must exceed model.rope_yarn_beta_slow={m.rope_yarn_beta_slow} > 0")
+
+
+def _check_dense_layers(text: str, n_layers: int) -> None:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    _require(all(p.isdigit() and int(p) < n_layers for p in parts),
+             f"model.moe.dense_layers='{text}' must list layer indices below model.n_layers={n_layers}, "
+             "separated by commas (e.g. '0,5')")
 
 
 def _check_train(cfg: Config) -> None:
@@ -195,6 +252,9 @@ def _check_pipeline(cfg: Config) -> None:
 def _check_data(cfg: Config) -> None:
     d, m = cfg.data, cfg.model
     _require(0 <= d.val_fraction < 0.5, f"data.val_fraction must be in [0, 0.5), got {d.val_fraction}")
+    if d.mix or (Path(d.source) / "manifest.json").is_file():  # a prepared folder (token_shards.py)
+        _check_prepared_data(cfg)
+        return
     if d.source != "builtin":
         _require(Path(d.source).exists(), f"data.source '{d.source}' does not exist; give a text/jsonl/"
                  "parquet file or folder, or 'builtin'")
@@ -209,6 +269,30 @@ def _check_data(cfg: Config) -> None:
         n_tokens = Tokenizer.from_file(d.tokenizer).get_vocab_size()
         _require(n_tokens <= m.vocab_size, f"the tokenizer has {n_tokens} tokens but model.vocab_size="
                  f"{m.vocab_size}; raise model.vocab_size to at least {n_tokens}")
+
+
+def _check_prepared_data(cfg: Config) -> None:
+    """data.source = a prepared folder, or data.mix = several: the tokenizer is the manifest's."""
+    from fivefold.train.mixture import parse_mix
+    from fivefold.train.token_shards import read_manifest
+
+    d, m = cfg.data, cfg.model
+    _require(not d.mix or d.source == "builtin", f"data.mix and data.source='{d.source}' are both set; "
+             "give the folders and their weights in data.mix alone")
+    folders = [folder for folder, _ in parse_mix(d.mix)] if d.mix else [d.source]
+    tokenizers = {}
+    for folder in folders:
+        key = "data.mix" if d.mix else "data.source"
+        _require(Path(folder).is_dir(), f"{key} folder '{folder}' does not exist; make it with "
+                 f"`fivefold prepare SRC --out {folder}`")
+        tokenizer = read_manifest(folder)["tokenizer"]
+        _require(tokenizer["vocab_size"] <= m.vocab_size, f"'{folder}' was prepared with a tokenizer of "
+                 f"{tokenizer['vocab_size']} tokens but model.vocab_size={m.vocab_size}; raise model.vocab_size "
+                 f"to at least {tokenizer['vocab_size']}")
+        tokenizers[folder] = tokenizer
+    labels = {f: t["name"] + (f" sha256 {t['sha256'][:12]}" if "sha256" in t else "") for f, t in tokenizers.items()}
+    _require(len(set(labels.values())) == 1, "data.mix folders were prepared with different tokenizers (" +
+             ", ".join(f"{f}: {label}" for f, label in labels.items()) + "); prepare them all with the same one")
 
 
 def _check_checkpoint(cfg: Config) -> None:
@@ -240,7 +324,10 @@ def check_supported(cfg: Config) -> None:
     """
     import torch
 
+    from fivefold.models.registry import model_spec
+
     p, m = cfg.parallel, cfg.model
+    model_spec(m).check(m)
     check_backend(p.backend, torch.cuda.is_available())
     if p.ep > 1:
         _require(p.dp * p.cp % p.ep == 0, f"parallel.ep={p.ep} must divide parallel.dp*cp={p.dp * p.cp} "

@@ -16,7 +16,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fivefold.config import load_config
 from fivefold.mesh import ParallelDims
-from fivefold.models.llama import Transformer
+from fivefold.models import build_meta_model
+from fivefold.models.registry import model_spec
 from fivefold.parallel.pipeline import Pipeline
 from fivefold.parallel.tensor import apply_tensor_parallel
 
@@ -27,11 +28,10 @@ def main() -> None:
                              "parallel": {"dp": dp, "tp": tp, "pp": pp, "zero": 1, "pp_layers": pp_layers}})
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * tp * pp)
     meshes = ParallelDims.from_config(cfg.parallel).build_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    pipeline = Pipeline(model, cfg, meshes["pp"], torch.device("meta"))
+    model, spec = build_meta_model(cfg.model), model_spec(cfg.model)
+    pipeline = Pipeline(model, cfg, spec, meshes["pp"], torch.device("meta"))
     for part in pipeline.parts:
-        apply_tensor_parallel(part, meshes["tp"], sequence_parallel=True)
+        apply_tensor_parallel(part, spec, cfg.model, meshes["tp"], sequence_parallel=True)
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                 for part in pipeline.parts for p in part.parameters())
     print(local)

@@ -1,25 +1,42 @@
-"""Plain single-device models. Nothing in this package imports parallel/, train/ or plan/."""
+"""Plain single-device models, one folder per family with its ModelSpec (models/registry.py).
+Nothing in this package imports parallel/, train/ or plan/.
 
-import torch
+This file imports nothing heavy: the planner reads family statistics through models/registry.py
+without torch; the functions below import the family's code when called.
+"""
 
-from fivefold.config import ModelConfig
-from fivefold.models.llama import Transformer, initial_values
-
-
-def build_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """The model of this config with its seed's initial weights, on the CPU (single-device use:
-    tests, conversion, inference; training builds on the meta device, see `build_meta_model`)."""
-    model = Transformer(cfg)
-    model.init_weights(seed)
-    return model
+from __future__ import annotations
 
 
-def build_meta_model(cfg: ModelConfig) -> Transformer:
+def build_meta_model(cfg):
     """The model's structure without memory: parameters and buffers on the meta device. Training
     splits and shards it there, then each rank materialises only its own pieces
     (parallel/materialize.py) with `initial_values(cfg, seed)` or weights read from files."""
+    import torch
+
+    from fivefold.models.registry import model_spec
+
     with torch.device("meta"):
-        return Transformer(cfg)
+        return model_spec(cfg).build(cfg)
 
 
-__all__ = ["Transformer", "build_meta_model", "build_model", "initial_values"]
+def build_model(cfg, seed: int):
+    """The model of this config with its seed's initial weights, on the CPU (single-device use:
+    tests, conversion, inference; training builds on the meta device, see `build_meta_model`)."""
+    from fivefold.models.init import fill_whole
+    from fivefold.models.registry import model_spec
+
+    spec = model_spec(cfg)
+    model = spec.build(cfg)
+    fill_whole(model, spec.initial_values(cfg, seed))
+    return model
+
+
+def initial_values(cfg, seed: int):
+    """fill(name, whole_shape, offsets, sizes) of the family's seeded initial weights."""
+    from fivefold.models.registry import model_spec
+
+    return model_spec(cfg).initial_values(cfg, seed)
+
+
+__all__ = ["build_meta_model", "build_model", "initial_values"]

@@ -29,8 +29,9 @@ from safetensors import safe_open
 
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.models import build_meta_model
-from fivefold.models.hf import (DEFAULT_SHARD_BYTES, IGNORED_HF, OURS_ONLY, config_from_hf, hf_config_from,
-                                hf_sources, is_stacked)
+from fivefold.models.hf import DEFAULT_SHARD_BYTES, config_from_hf, hf_config_from
+from fivefold.models.hf_adapter import IGNORED_HF
+from fivefold.models.registry import model_spec
 
 INDEX = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors$")
@@ -62,25 +63,25 @@ class HFBoxes:
     """`reader(name, whole_shape, offsets, sizes)`: elements [offsets[i], offsets[i] + sizes[i]) of
     fivefold's whole tensor `name`, read from a Hugging Face folder and converted to `dtype` (None
     keeps the stored one). `shapes` lists what a fivefold checkpoint of the model holds (a tied
-    output is not in it, but reading 'output.weight' gives the embedding)."""
+    copy is not in it, but reading it gives its source)."""
 
     def __init__(self, folder, dtype: torch.dtype | None = torch.float32):
         self.folder, self.dtype = Path(folder), dtype
         self.cfg = read_hf_config(self.folder)
-        tied = self.cfg.tie_embeddings
+        spec = model_spec(self.cfg)
+        self.adapter, self.tied = spec.hf, spec.tied(self.cfg)
         self.shapes = {name: tuple(t.shape) for name, t in build_meta_model(self.cfg).state_dict().items()
-                       if not (name == "output.weight" and tied)}  # HF omits a tied lm_head
+                       if name not in self.tied}  # HF omits a tied lm_head
         self._handles: dict[Path, object] = {}
-        self._sources = {name: hf_sources(name, self.cfg.moe.n_experts) for name in self.shapes
-                         if not OURS_ONLY.match(name)}
-        if tied:  # the trainer asks for the embedding under both names
-            self._sources["output.weight"] = self._sources["tok_embeddings.weight"]
+        self._sources = {name: self.adapter.hf_sources(name, self.cfg.moe.n_experts) for name in self.shapes
+                         if not self.adapter.ours_only.match(name)}
+        for copy, source in self.tied.items():  # the trainer asks for the tied matrix under both names
+            self._sources[copy] = self._sources[source]
         self._where = self._locate()
         self._check()
 
     def __call__(self, name: str, whole_shape, offsets, sizes) -> torch.Tensor:
-        tied_output = name == "output.weight" and self.cfg.tie_embeddings
-        shape = self.shapes.get("tok_embeddings.weight" if tied_output else name)
+        shape = self.shapes.get(self.tied.get(name, name))
         offsets, sizes = tuple(map(int, offsets)), tuple(map(int, sizes))
         inside = shape == tuple(whole_shape) and len(offsets) == len(sizes) == len(shape) and all(
             0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, shape))
@@ -88,10 +89,10 @@ class HFBoxes:
             raise ValueError(f"box at {list(offsets)} of size {list(sizes)} in {name} {list(whole_shape)} "
                              f"is not inside a tensor of {self.folder} (its shape: "
                              f"{list(shape) if shape else 'no such tensor'})")
-        if OURS_ONLY.match(name) or 0 in sizes:  # bias balancing's state starts at zero
+        if self.adapter.ours_only.match(name) or 0 in sizes:  # bias balancing's state starts at zero
             return torch.zeros(sizes, dtype=self.dtype or torch.float32)
         box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-        stacked = is_stacked(name)  # (experts, out, in): one Hugging Face tensor per expert in the box
+        stacked = self.adapter.is_stacked(name)  # (experts, out, in): one Hugging Face tensor per expert in the box
         sources = self._sources[name][box[0]] if stacked else self._sources[name]
         out = None
         for i, hf in enumerate(sources):
@@ -128,16 +129,19 @@ class HFBoxes:
         return {name: file for file in files for name in self._open(file).keys()}
 
     def _check(self) -> None:
-        folder, tied = self.folder, self.cfg.tie_embeddings
+        folder = self.folder
         needed = {hf: ours for ours, names in self._sources.items() for hf in names}
+        # A file may hold a tied copy too (transformers drops it, others keep it): never needed.
+        tied_copies = {self.adapter.hf_name(copy) for copy in self.tied}
         for name in self._where:
-            if name not in needed and not IGNORED_HF.match(name) and not (name == "lm_head.weight" and tied):
-                raise ConfigError(f"{folder} holds tensor {name}, which fivefold's Llama has no place for; "
-                                  "check that config.json describes these weights")
+            dropped = IGNORED_HF.match(name) or self.adapter.dropped_by_hf(name, self.cfg)
+            if name not in needed and not dropped and name not in tied_copies:
+                raise ConfigError(f"{folder} holds tensor {name}, which fivefold's {self.cfg.family} has no "
+                                  "place for; check that config.json describes these weights")
         held: dict[Path, set] = {}  # names in each file, for an index that places a tensor wrongly
         for hf, ours in needed.items():
-            expected = self.shapes["tok_embeddings.weight" if ours == "output.weight" and tied else ours]
-            expected = list(expected[1:] if is_stacked(ours) else expected)
+            expected = self.shapes[self.tied.get(ours, ours)]
+            expected = list(expected[1:] if self.adapter.is_stacked(ours) else expected)
             if hf not in self._where:
                 raise ConfigError(f"{folder} is missing tensor {hf} (shape {expected}) that config.json implies")
             file = self._where[hf]
@@ -184,13 +188,16 @@ def write_hf_folder(folder, cfg: ModelConfig, tensors: dict[str, tuple[tuple, to
                     read: Callable[[str], torch.Tensor], max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """A Hugging Face folder for fivefold tensors `tensors` (name -> whole shape and dtype, in state-dict
     order), whose data `read(name)` returns, each once; holds one fivefold tensor at a time."""
-    hf_cfg = hf_config_from(cfg, tensors["tok_embeddings.weight"][1])  # refuses what HF cannot express
+    spec = model_spec(cfg)
+    adapter, tied = spec.hf, spec.tied(cfg)
+    hf_cfg = hf_config_from(cfg, next(iter(tensors.values()))[1])  # refuses what HF cannot express
     entries = []  # (hf name, shape, dtype, our name, expert or None)
     for name, (shape, dtype) in tensors.items():
-        if OURS_ONLY.match(name) or (name == "output.weight" and cfg.tie_embeddings):
-            continue  # no Hugging Face counterpart (hf_config_from refused bias balancing); HF re-ties lm_head
-        stacked = is_stacked(name)
-        for expert, hf in enumerate(hf_sources(name, cfg.moe.n_experts)):
+        if adapter.ours_only.match(name) or name in tied:
+            continue  # no Hugging Face counterpart (the family's hf_config_from refused bias balancing
+            # unless its class holds the bias); HF re-ties lm_head
+        stacked = adapter.is_stacked(name)
+        for expert, hf in enumerate(adapter.hf_sources(name, cfg.moe.n_experts)):
             entries.append((hf, tuple(shape[1:] if stacked else shape), dtype, name, expert if stacked else None))
 
     shards: list[list] = [[]]  # consecutive entries, a new shard when the next would pass the limit

@@ -69,3 +69,10 @@ def seeded_normal(seed: int, name: str, shape, std: float, offsets=None, sizes=N
 
 def constant(value: float, sizes) -> torch.Tensor:
     return torch.full(tuple(sizes), value)
+
+
+def fill_whole(model, fill: Fill) -> None:
+    """Give every parameter of a single-device model its whole value from `fill`."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(fill(name, tuple(param.shape), (0,) * param.dim(), tuple(param.shape)))

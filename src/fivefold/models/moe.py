@@ -30,12 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelConfig, MoEConfig
-from fivefold.models.llama import FeedForward
-
-
-def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
-    m = cfg.moe
-    return m.n_experts > 0 and index >= m.first_dense and (index - m.first_dense) % m.every == 0
+from fivefold.models.decoder import FeedForward
+from fivefold.models.moe_layout import is_moe_layer
 
 
 def moe_feed_forward(cfg: ModelConfig, index: int) -> nn.Module | None:
@@ -45,7 +41,10 @@ def moe_feed_forward(cfg: ModelConfig, index: int) -> nn.Module | None:
 
 class Router(nn.Module):
     """Scores every expert, picks top-k. With balance="bias" (DeepSeek-V3), a per-expert bias is
-    added for the choice only; the combine weights come from the unbiased scores."""
+    added for the choice only; the combine weights come from the unbiased scores. DeepSeek-V3 also
+    limits each token to its best `topk_group` of `n_group` expert groups, and scales the combine
+    weights by `routed_scaling_factor`; at their defaults (1, 1, 1.0) both steps are skipped, so
+    the other families route exactly as before."""
 
     def __init__(self, dim: int, cfg: MoEConfig):
         super().__init__()
@@ -59,11 +58,27 @@ class Router(nn.Module):
         logits = self.gate(tokens).float()
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
         choice = scores + self.expert_bias if self.cfg.balance == "bias" else scores
+        if self.cfg.n_group > 1:
+            choice = limit_to_groups(choice, self.cfg.n_group, self.cfg.topk_group)
         indices = choice.topk(self.cfg.top_k, dim=-1, sorted=True).indices
         weights = scores.gather(-1, indices)
-        if self.cfg.top_k > 1:  # Mixtral and DeepSeek-V3 renormalise the chosen weights to sum to 1
+        if self.cfg.top_k > 1 and self.cfg.norm_topk_prob:  # Mixtral, DeepSeek-V3 and Qwen3-MoE renormalise
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.cfg.routed_scaling_factor != 1.0:
+            weights = weights * self.cfg.routed_scaling_factor
         return scores, indices, weights
+
+
+def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: (T, E) choice scores with every expert outside the token's
+    best `topk_group` groups set to -inf. A group's score is the sum of its two best choice scores
+    (its single best when a group holds one expert), so one lucky expert does not carry a group."""
+    tokens, n_experts = choice.shape
+    grouped = choice.view(tokens, n_group, n_experts // n_group)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    best = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, n_experts)
 
 
 class Experts(nn.Module):
@@ -159,6 +174,9 @@ class RouterStats:
 def _counts_for_stats() -> bool:
     # Not evaluation (no grad) and not a recomputation running inside a backward pass.
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+EXPERTS = "experts"  # the attribute of MoE holding the stacked experts (expert parallelism splits it)
 
 
 class MoE(nn.Module):
@@ -272,3 +290,10 @@ def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, cfg: MoEConfi
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether a parameter (by its single-device name) is one of an MoE layer's stacked expert
+    tensors: a direct parameter of the `experts` module of this file's MoE."""
+    parent, _, _ = name.rpartition(".")
+    return parent == EXPERTS or parent.endswith("." + EXPERTS)

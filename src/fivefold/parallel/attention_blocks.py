@@ -29,15 +29,17 @@ def use_fused_kernel(q: torch.Tensor) -> bool:
     return q.device.type == "cuda"
 
 
-def use_cpu_flash_kernel(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+def use_cpu_flash_kernel(q: torch.Tensor, v: torch.Tensor) -> bool:
+    # The CPU flash kernel needs V's head dim equal to Q's (Multi-head Latent Attention's is not).
+    return (q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
 def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(output fp32 (b, h, Lq, d), LSE fp32 (b, h, Lq)) of softmax(q kᵀ·scale) v over this block."""
     if use_fused_kernel(q):
         return _fused_forward(q, k, v, causal, scale)
-    if use_cpu_flash_kernel(q):
+    if use_cpu_flash_kernel(q, v):
         return _cpu_flash_forward(q, k, v, causal, scale)
     return _math_forward(q, k, v, causal, scale)
 
@@ -47,7 +49,7 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     these query rows (so probabilities are exp(score - LSE), already normalised over every block)."""
     if use_fused_kernel(q):
         return _fused_backward(dout, q, k, v, out, lse, causal, scale)
-    if use_cpu_flash_kernel(q):
+    if use_cpu_flash_kernel(q, v):
         return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale)
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
 
@@ -110,7 +112,8 @@ def _math_forward(q, k, v, causal, scale):
 def _math_backward(dout, q, k, v, out, lse, causal, scale):
     qg, kg, vg = _grouped(q, k, v)
     shape = qg.shape
-    dout_g, out_g = dout.float().reshape(shape), out.float().reshape(shape)
+    out_shape = shape[:-1] + (v.shape[-1],)  # V's head dim may differ from Q's
+    dout_g, out_g = dout.float().reshape(out_shape), out.float().reshape(out_shape)
     lse_g = lse.reshape(shape[:-1])
     dq = torch.empty(shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(kg.shape, dtype=torch.float32, device=q.device)

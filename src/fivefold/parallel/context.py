@@ -6,8 +6,8 @@ late one much). Inputs, labels and RoPE positions are split the same way; every 
 per-token and needs nothing. Every rank holds as many tokens as the others, so the mean of the
 per-rank mean losses over dp×cp is the mean over the global batch.
 
-Attention is the only layer that mixes tokens: each block's parameter-free `attention.core` is
-replaced by `ContextParallelAttention`, which runs one of three exact methods over the cp group:
+Attention is the only layer that mixes tokens: each block's parameter-free attention core (the
+family's ModelSpec.attention_core) is replaced by `ContextParallelAttention`, which runs one of three exact methods over the cp group:
 ring (parallel/ring_attention.py), all-gather or Ulysses (parallel/gathered_attention.py).
 """
 
@@ -80,7 +80,7 @@ class ContextParallelAttention(nn.Module):
         return f"method={self.method}"
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh, method: str) -> None:
+def apply_context_parallel(model: nn.Module, attention_core: str, cp_mesh, method: str) -> None:
     """Swap every block's attention core for the context-parallel one over `cp_mesh`, and let MoE
     layers add their per-sequence routing statistics over the cp ranks (the auxiliary loss is
     decided per whole sequence)."""
@@ -90,7 +90,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str) -> None:
 
     group = cp_mesh.get_group()
     for block in model.layers.values():
-        block.attention.core = ContextParallelAttention(group, method)
+        block.set_submodule(attention_core, ContextParallelAttention(group, method))
     for moe in moe_layers(model):
         # Differentiable: backward sums the gradient over the cp ranks too; with gradients then
         # averaged over dp·cp, each token's router gradient comes out as in one process.

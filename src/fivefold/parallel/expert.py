@@ -12,27 +12,21 @@ Both all-to-alls are one autograd function whose backward is the reverse all-to-
 take the same routes back. Expert gradients are then reduced over the expert-data-parallel group
 (data.py / zero.py / fsdp.py), dense ones over dp·cp as before.
 
-Also here: the MoE layers under tensor parallelism, and the per-step router bookkeeping
-(load reduced over dp·cp, bias balancing, metrics), which every layout shares.
+Also here: the per-step router bookkeeping (load reduced over dp·cp, bias balancing, metrics),
+which every layout shares. (Under tensor parallelism MoE layers run replicated: parallel/tensor.py.)
+
+Expert tensors are found through the shared MoE block (models/moe.py), whatever the family: every
+parameter of an `MoE.experts` module is stacked (experts, ...) along dim 0.
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.models.moe import MoE, moe_layers
+from fivefold.models.moe import MoE, is_expert_param, moe_layers
 from fivefold.parallel.collectives import all_reduce_scalars
-
-_EXPERT_PARAM = re.compile(r"(^|\.)experts\.w[123]$")
-
-
-def is_expert_param(name: str) -> bool:
-    """Whether a parameter (by its single-device name) is split over ep ranks."""
-    return bool(_EXPERT_PARAM.search(name))
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -100,26 +94,9 @@ def apply_expert_parallel(part: nn.Module, ep_mesh) -> None:
     for moe in moe_layers(part):
         n_local = moe.cfg.n_experts // ep
         first = rank * n_local
-        for name in ("w1", "w2", "w3"):
-            whole = getattr(moe.experts, name)
+        for name, whole in list(moe.experts.named_parameters(recurse=False)):
             setattr(moe.experts, name, nn.Parameter(whole.detach()[first:first + n_local].clone()))
         moe.run_experts = ExpertParallelDispatch(moe, group, n_local)
-
-
-def apply_moe_tensor_parallel(part: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
-    """MoE layers under tensor parallelism: the layer takes the whole (replicated) residual stream,
-    as the dense MLP does, and runs replicated on every tp rank (experts are not split by tp);
-    its output goes back to the stream's layout (a local slice under sequence parallelism), as a
-    plain tensor like the rest of the stream between blocks."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
-
-    stream = Shard(1) if sequence_parallel else Replicate()
-    for block in part.layers.values():
-        if isinstance(block.feed_forward, MoE):
-            parallelize_module(block.feed_forward, tp_mesh, PrepareModuleInputOutput(
-                input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=True))
 
 
 def gather_experts(name: str, tensor: torch.Tensor, ep_mesh) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch.distributed.fsdp import fully_shard
 
+from fivefold.models.moe import moe_layers
 from fivefold.parallel.data import DataParallel
 
 
@@ -23,10 +24,10 @@ class FullyShardedDataParallel(DataParallel):
         self.dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if hsdp else mesh["dp_shard_cp"]
         for part in parts:
             for block in part.layers.values():
-                experts = getattr(block.feed_forward, "experts", None)
-                if dims.ep > 1 and experts is not None:
+                for moe in moe_layers(block) if dims.ep > 1 else []:
                     # Expert weights: sharded over the ranks holding the same experts, gradients summed
                     # there and divided by all dp·cp ranks (an expert saw its whole ep group's tokens).
+                    experts = moe.experts
                     fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=reshard_after_forward)
                     experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
                     # Sum, then divide (gloo has no PREMUL_SUM); not on one rank, where FSDP divides

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from fivefold.parallel.attention_blocks import block_backward, block_forward, merge_rows
 from fivefold.parallel.context import gathered_chunk_order, local_positions
+from fivefold.parallel.ring_attention import pack_kv
 
 # torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -26,23 +27,23 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # ---- all-gather ----------------------------------------------------------------------------------
 
 def _gather_kv(k, v, group) -> torch.Tensor:
-    """(2, b, kv_heads, seq, d): every rank's K and V, in sequence order."""
+    """(b, kv_heads, seq, d_k + d_v): every rank's K and V side by side (pack_kv), in sequence order."""
     cp = dist.get_world_size(group)
-    local = torch.stack((k, v)).contiguous()
-    gathered = local.new_empty((cp * 2,) + local.shape[1:])  # gloo wants ranks along dim 0, flat
+    local = pack_kv(k, v)
+    gathered = local.new_empty((cp * local.shape[0],) + local.shape[1:])  # gloo wants ranks along dim 0, flat
     _all_gather(gathered, local, group=group)
-    gathered = gathered.unflatten(0, (cp, 2))
-    chunks = gathered.movedim(0, 3).unflatten(4, (2, -1)).flatten(3, 4)  # (2, b, hkv, 2cp, c, d)
+    gathered = gathered.unflatten(0, (cp, -1))  # (cp, b, hkv, L, d)
+    chunks = gathered.movedim(0, 2).unflatten(3, (2, -1)).flatten(2, 3)  # (b, hkv, 2cp, c, d)
     in_order = torch.tensor(gathered_chunk_order(cp), device=k.device).argsort()
-    return chunks.index_select(3, in_order).flatten(3, 4)
+    return chunks.index_select(2, in_order).flatten(2, 3)
 
 
 def _scatter_kv_grads(dkv_whole: torch.Tensor, group) -> torch.Tensor:
-    """Sum every rank's gradient of the whole K/V and keep this rank's part: (2, b, hkv, L, d)."""
+    """Sum every rank's gradient of the whole packed K/V and keep this rank's part: (b, hkv, L, d)."""
     cp = dist.get_world_size(group)
-    chunks = dkv_whole.unflatten(3, (2 * cp, -1))
-    slots = chunks.index_select(3, torch.tensor(gathered_chunk_order(cp), device=dkv_whole.device))
-    per_rank = slots.unflatten(3, (cp, 2)).flatten(4, 5).movedim(3, 0).contiguous()  # (cp, 2, b, hkv, L, d)
+    chunks = dkv_whole.unflatten(2, (2 * cp, -1))
+    slots = chunks.index_select(2, torch.tensor(gathered_chunk_order(cp), device=dkv_whole.device))
+    per_rank = slots.unflatten(2, (cp, 2)).flatten(3, 4).movedim(2, 0).contiguous()  # (cp, b, hkv, L, d)
     mine = per_rank.new_empty(per_rank.shape[1:])
     _reduce_scatter(mine, per_rank.flatten(0, 1), group=group)
     return mine
@@ -64,11 +65,11 @@ def allgather_forward(q, k, v, group) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in q's dtype, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5
-    kv = _gather_kv(k, v, group)
+    kv, d = _gather_kv(k, v, group), k.shape[-1]
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
-        block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+        block_out, block_lse = block_forward(q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
                                              causal, scale)
         if causal:  # listed first for its rows: it starts them
             out[:, :, rows], lse[:, :, rows] = block_out, block_lse
@@ -81,18 +82,18 @@ def allgather_backward(dout, q, k, v, out, lse, group):
     """(dq, dk, dv) of this rank's q, k, v, given the final output and LSE of its queries."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5
-    kv = _gather_kv(k, v, group)
+    kv, d = _gather_kv(k, v, group), k.shape[-1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
         dq_block, dk_block, dv_block = block_backward(
-            dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+            dout[:, :, rows], q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
             out[:, :, rows], lse[:, :, rows], causal, scale)
         dq[:, :, rows] += dq_block
-        dkv[0][:, :, cols] += dk_block
-        dkv[1][:, :, cols] += dv_block
+        dkv[..., cols, :d] += dk_block
+        dkv[..., cols, d:] += dv_block
     mine = _scatter_kv_grads(dkv, group)
-    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
+    return dq.to(q.dtype), mine[..., :d].to(k.dtype), mine[..., d:].to(v.dtype)
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -164,11 +165,16 @@ def ulysses_attention(q, k, v, group) -> torch.Tensor:
     repeat = math.lcm(kv_heads, cp) // kv_heads
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    # One all-to-all for q, k and v: per destination rank, its query heads then its k and v heads.
-    parts = [t.unflatten(1, (cp, -1)) for t in (q, k, v)]
+    # One all-to-all for q, k and v: per destination rank, its query heads then its k and v heads
+    # (v apart when its head dim differs from q's and k's, as in Multi-head Latent Attention).
+    together = (q, k, v) if v.shape[-1] == q.shape[-1] else (q, k)
+    parts = [t.unflatten(1, (cp, -1)) for t in together]
     sizes = [p.shape[2] for p in parts]
     mixed = SequenceToHeads.apply(torch.cat(parts, dim=2).flatten(1, 2), group)
-    q, k, v = mixed.split(sizes, dim=1)
+    if len(together) == 3:
+        q, k, v = mixed.split(sizes, dim=1)
+    else:
+        (q, k), v = mixed.split(sizes, dim=1), SequenceToHeads.apply(v.contiguous(), group)
     # Slots hold rank 0's tokens, then rank 1's...; attention needs them in sequence order.
     slot_positions = torch.cat([local_positions(r, cp, local_len, q.device) for r in range(cp)])
     in_order = slot_positions.argsort()

@@ -17,12 +17,12 @@ from torch import nn
 from fivefold.config import Config
 from fivefold.mesh import ParallelDims
 from fivefold.models.init import Fill
+from fivefold.models.registry import model_spec
 from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.comm_ledger import CommLedger
 from fivefold.parallel.context import SequenceSplit, apply_context_parallel
 from fivefold.parallel.data import DataParallel, build_data_parallel
-from fivefold.parallel.expert import (apply_expert_parallel, apply_moe_tensor_parallel, finish_router_step,
-                                      gather_experts, set_aux_grad_scale)
+from fivefold.parallel.expert import apply_expert_parallel, finish_router_step, gather_experts, set_aux_grad_scale
 from fivefold.parallel.materialize import materialize
 from fivefold.parallel.pipeline import Pipeline
 from fivefold.parallel.recompute import apply_recompute
@@ -169,8 +169,8 @@ class Parallelized:
             stages = [None] * self.dims.pp
             dist.all_gather_object(stages, out, group=self.mesh["pp"].get_group())
             out = {name: tensor for stage in stages for name, tensor in stage.items()}
-            if self.pipeline.tied:
-                out.pop("output.weight", None)  # the single-device model holds it once
+            for copy_name in self.pipeline.tied_pairs:
+                out.pop(copy_name, None)  # the single-device model holds it once
         return out
 
     def describe(self) -> str:
@@ -201,22 +201,22 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
                 fill: Fill) -> Parallelized:
     """`model` is on the meta device: the layout is built there, then this rank's pieces are
     materialised on `device` with values from `fill` (parallel/materialize.py)."""
+    spec = model_spec(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
     mesh = dims.build_mesh(device.type) if dims.world_size > 1 else None
     if mesh is not None:
         dims.warn_if_tp_crosses_nodes(cfg.parallel.gpus_per_node)
-    pipeline = Pipeline(model, cfg, mesh["pp"], device) if dims.pp > 1 else None
+    pipeline = Pipeline(model, cfg, spec, mesh["pp"], device) if dims.pp > 1 else None
     parts = pipeline.parts if pipeline is not None else [model]
     for part in parts:
         if dims.tp > 1:
             from fivefold.parallel.tensor import apply_tensor_parallel
 
-            apply_tensor_parallel(part, mesh["tp"], sequence_parallel=cfg.parallel.sp)
-            apply_moe_tensor_parallel(part, mesh["tp"], sequence_parallel=cfg.parallel.sp)
+            apply_tensor_parallel(part, spec, cfg.model, mesh["tp"], sequence_parallel=cfg.parallel.sp)
         if dims.ep > 1:
             apply_expert_parallel(part, mesh["ep"])
         if dims.cp > 1:
-            apply_context_parallel(part, mesh["cp"], cfg.parallel.cp_method)
+            apply_context_parallel(part, spec.attention_core, mesh["cp"], cfg.parallel.cp_method)
         apply_recompute(part.layers, cfg.train.recompute)
         if cfg.train.compile:
             for block in part.layers.values():

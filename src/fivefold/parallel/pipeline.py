@@ -3,7 +3,7 @@
 The model is cut into pp × pp_virtual stages (parallel/pipeline_split.py); this rank builds the
 stages it runs, each a copy of the full model with the other layers removed, so parameter names
 (and checkpoint keys) stay those of the single-device model. The first stage owns the embedding,
-the last the final norm, output layer and loss. A step's micro-batches are the schedule's
+the last the final norm, output layer and loss (the family's ModelSpec.first_stage / last_stage). A step's micro-batches are the schedule's
 micro-batches, each micro-batch loss divided by their number: exactly the gradient accumulation
 of the non-pipelined run.
 
@@ -25,6 +25,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
                                           ScheduleZBVZeroBubble)
 
 from fivefold.config import Config, micro_batches
+from fivefold.models.spec import ModelSpec
 from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.grad_norm import local_tensor, settle_grad_layout
 from fivefold.parallel.pipeline_split import SINGLE_STAGE_SCHEDULES, layers_per_stage, stages_of_rank
@@ -46,16 +47,16 @@ class StagePositions:
     value: torch.Tensor | None = None
 
 
-def build_stage_module(full: nn.Module, layer_ids: list[int], first: bool, last: bool,
+def build_stage_module(full: nn.Module, spec: ModelSpec, layer_ids: list[int], first: bool, last: bool,
                        positions: StagePositions) -> nn.Module:
     part = copy.deepcopy(full)
     for name in list(part.layers.keys()):
         if int(name) not in layer_ids:
             del part.layers[name]
-    if not first:
-        part.tok_embeddings = None
-    if not last:
-        part.norm, part.output = None, None
+    dropped = ([] if first else list(spec.first_stage)) + ([] if last else list(spec.last_stage))
+    for path in dropped:  # the model's forward skips a module that is None
+        parent, _, name = path.rpartition(".")
+        setattr(part.get_submodule(parent), name, None)
     forward = part.forward
     part.forward = lambda x: forward(x, positions.value)
     return part
@@ -64,7 +65,7 @@ def build_stage_module(full: nn.Module, layer_ids: list[int], first: bool, last:
 class Pipeline:
     """This rank's stages and the schedule that runs them."""
 
-    def __init__(self, model: nn.Module, cfg: Config, pp_mesh, device: torch.device):
+    def __init__(self, model: nn.Module, cfg: Config, spec: ModelSpec, pp_mesh, device: torch.device):
         p = cfg.parallel
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), p.pp
         self.n_stages = p.pp * p.pp_virtual
@@ -72,9 +73,11 @@ class Pipeline:
         self.positions = StagePositions()
         layers = layers_per_stage(cfg.model, self.n_stages, p.pp_layers, cfg.train.seq_len)
         self.stage_ids = stages_of_rank(self.pp_rank, p.pp, p.pp_virtual, p.pp_schedule)
-        self.parts = [build_stage_module(model, layers[s], s == 0, s == self.n_stages - 1, self.positions)
+        self.parts = [build_stage_module(model, spec, layers[s], s == 0, s == self.n_stages - 1, self.positions)
                       for s in self.stage_ids]
-        self.tied = bool(cfg.model.tie_embeddings)
+        # Tied pairs (copy -> source): the source lives on the first stage, the copy on the last.
+        self.tied_pairs = spec.tied(cfg.model)
+        self.tied = bool(self.tied_pairs)
         self.device = device
         self.has_first, self.has_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
         self.busy_s = 0.0
@@ -84,13 +87,12 @@ class Pipeline:
         """This rank's copies of the tied embedding matrix: the first stage's embedding and the
         last stage's output weight, separate parameters even when both stages run here (a shared
         one would have its gradient scaled once per stage by the schedule)."""
-        if not self.tied:
-            return []
         copies = []
-        if self.has_first:
-            copies.append(self.parts[self.stage_ids.index(0)].tok_embeddings.weight)
-        if self.has_last:
-            copies.append(self.parts[self.stage_ids.index(self.n_stages - 1)].output.weight)
+        for copy_name, source in self.tied_pairs.items():
+            if self.has_first:
+                copies.append(self.parts[self.stage_ids.index(0)].get_parameter(source))
+            if self.has_last:
+                copies.append(self.parts[self.stage_ids.index(self.n_stages - 1)].get_parameter(copy_name))
         return copies
 
     def tied_group_members(self) -> tuple[int, int]:

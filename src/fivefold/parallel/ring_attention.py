@@ -53,6 +53,12 @@ class Ring:
         return InFlight(dist.batch_isend_irecv(ops), received)
 
 
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V side by side along the head dim, (b, kv_heads, L, d_k + d_v): one message, and V's
+    head dim may differ from K's (Multi-head Latent Attention)."""
+    return torch.cat((k, v), dim=-1).contiguous()
+
+
 def ring_block(rank: int, src: int, half: int) -> tuple[slice, slice, bool]:
     """(query rows, key columns, causal) of this rank's work against the K/V block of rank `src`."""
     if src == rank:
@@ -67,12 +73,12 @@ def ring_forward(q, k, v, group) -> tuple[torch.Tensor, torch.Tensor]:
     ring = Ring(group)
     scale = q.shape[-1] ** -0.5
     half = q.shape[2] // 2
-    kv = torch.stack((k, v)).contiguous()  # one message per step
+    kv, d = pack_kv(k, v), k.shape[-1]  # one message per step
     out = lse = None
     for step in range(ring.size):
         incoming = ring.pass_along(kv, _KV_TAG) if step < ring.size - 1 else None
         rows, cols, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, half)
-        block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+        block_out, block_lse = block_forward(q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
                                              causal, scale)
         if out is None:  # step 0, the local causal block, covers every row
             out, lse = block_out, block_lse
@@ -89,26 +95,26 @@ def ring_backward(dout, q, k, v, out, lse, group):
     scale = q.shape[-1] ** -0.5
     half = q.shape[2] // 2
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v)).contiguous()
+    kv, d = pack_kv(k, v), k.shape[-1]
     grads_in_flight = None
     for step in range(ring.size):
         incoming = ring.pass_along(kv, _KV_TAG) if step < ring.size - 1 else None
         rows, cols, causal = ring_block(ring.rank, (ring.rank - step) % ring.size, half)
         dq_block, dk_block, dv_block = block_backward(
-            dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+            dout[:, :, rows], q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
             out[:, :, rows], lse[:, :, rows], causal, scale)
         dq[:, :, rows] += dq_block
         # fp32 on the wire: the sum over cp ranks is an accumulation like dq's.
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        dkv[0][:, :, cols] = dk_block
-        dkv[1][:, :, cols] = dv_block
+        dkv[..., cols, :d] = dk_block
+        dkv[..., cols, d:] = dv_block
         if grads_in_flight is not None:  # the previous ranks' part for this same block
             dkv += grads_in_flight.wait()
         grads_in_flight = ring.pass_along(dkv, _GRAD_TAG)
         if incoming is not None:
             kv = incoming.wait()
     dkv = grads_in_flight.wait()  # this rank's own block, with every rank's part
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):

@@ -25,8 +25,6 @@ from fivefold.parallel.grad_norm import local_tensor
 from fivefold.parallel.state import ADAM_KEYS, named_params, persistent_buffers
 from fivefold.train.sharded_io import Pieces
 
-TIED_COPY, TIED_SOURCE = "output.weight", "tok_embeddings.weight"
-
 
 def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple, tuple, int]]:
     """Cut elements [start, end) of a row-major tensor of `shape` into boxes:
@@ -79,10 +77,12 @@ class StateBoxes:
         self.par = par
         self.params = named_params(par)
         self.names = {id(p): n for n, p in self.params.items()}
-        self.tied_copy = par.pipeline is not None and par.pipeline.tied and TIED_COPY in self.params
+        # The last stage's own copy of a tied matrix (copy -> source), saved once as the source.
+        pairs = par.pipeline.tied_pairs if par.pipeline is not None else {}
+        self.tied_copies = {copy: source for copy, source in pairs.items() if copy in self.params}
 
     def _key(self, kind: str, name: str) -> str:
-        return f"{kind}/{TIED_SOURCE if self.tied_copy and name == TIED_COPY else name}"
+        return f"{kind}/{self.tied_copies.get(name, name)}"
 
     def origin(self, name: str, tensor: torch.Tensor) -> tuple[list[int], list[int]]:
         return piece_origin(name, tensor, self.par._ep_mesh)
@@ -93,7 +93,7 @@ class StateBoxes:
     def model(self, for_load: bool = False) -> dict[str, Pieces]:
         out: dict[str, Pieces] = {}
         for name, param in self.params.items():
-            if self.tied_copy and name == TIED_COPY and not for_load:
+            if name in self.tied_copies and not for_load:
                 continue
             offsets, shape = self.origin(name, param)
             local = local_tensor(param)
@@ -115,7 +115,7 @@ class StateBoxes:
                 lo = bucket.group_rank * size
                 for param, offset, numel in zip(bucket.params, bucket.offsets, bucket.sizes):
                     name = self.names[id(param)]
-                    if self.tied_copy and name == TIED_COPY and not for_load:
+                    if name in self.tied_copies and not for_load:
                         continue
                     start, end = max(lo, offset), min(lo + size, offset + numel)
                     origin, shape = self.origin(name, param)
@@ -129,7 +129,7 @@ class StateBoxes:
             return out
         for param in dp.params:
             name = self.names[id(param)]
-            if self.tied_copy and name == TIED_COPY and not for_load:
+            if name in self.tied_copies and not for_load:
                 continue
             origin, shape = self.origin(name, param)
             for key, moment in self._moments(optimizer, param, for_load).items():

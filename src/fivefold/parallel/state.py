@@ -34,9 +34,12 @@ def persistent_buffers(par) -> dict[str, torch.Tensor]:
 
 
 def expected_shapes(model) -> dict[str, tuple]:
-    """Whole-tensor shapes a checkpoint of this single-device model holds (meta model is fine)."""
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()
-            if not (name == "output.weight" and model.cfg.tie_embeddings)}
+    """Whole-tensor shapes a checkpoint of this single-device model holds (meta model is fine);
+    a tied copy is saved once, as its source."""
+    from fivefold.models.registry import model_spec
+
+    tied = model_spec(model.cfg).tied(model.cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
 
 
 def check_shapes(path, stored: dict[str, tuple], expected: dict[str, tuple], what: str) -> None:

@@ -167,6 +167,19 @@ class RowParallelLinear(nn.Module):
         return self.reduce(F.linear(x, _local(self.weight)))
 
 
+class PartialGradLinear(nn.Module):
+    """y = x Wᵀ with W replicated on every tp rank. Used where the output feeds column-split layers
+    (a latent down-projection): each rank's gradient of W covers only its own columns' share, a
+    partial sum (summed over tp where the gradient is settled)."""
+
+    def __init__(self, linear: nn.Linear, group: TensorParallelGroup):
+        super().__init__()
+        self.weight = _laid_out(linear, group, Replicate())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, _local(self.weight, grad_placements=[Partial()]))
+
+
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows of the vocabulary. Tokens outside them look up zeros; `reduce` sums the
     ranks' lookups into the stream's layout, so each token gets exactly its own row."""
@@ -198,9 +211,11 @@ class VocabParallelOutput(ColumnParallelLinear):
         return DTensor.from_local(logits, self.group.mesh, [Shard(-1)], run_check=False)
 
 
-class SequenceShardedRMSNorm(nn.Module):
-    """RMSNorm of this rank's part of the sequence. The weight is replicated; its gradient from a
-    part of the sequence is a partial sum (summed over tp where the gradient is settled)."""
+class PartialRMSNorm(nn.Module):
+    """RMSNorm of this rank's share of the rows it normalises: its part of the sequence (a norm on
+    the stream under sequence parallelism) or its heads (a per-head q/k norm). The weight is
+    replicated; its gradient from a share of the rows is a partial sum (summed over tp where the
+    gradient is settled)."""
 
     def __init__(self, norm: nn.RMSNorm, group: TensorParallelGroup):
         super().__init__()

@@ -100,13 +100,14 @@ def tp_bytes_per_collective(layout: Layout, tokens: float, dim: int, nbytes: int
     return 0.0 if t == 1 else tokens * dim * (t - 1) / t * nbytes
 
 
-def cp_bytes_per_layer(layout: Layout, tokens_local: float, dim: int, kv_dim: int,
+def cp_bytes_per_layer(layout: Layout, tokens_local: float, q_dim: int, kv_dim: int,
                        act_bytes: int) -> float:
     """Bytes one rank sends for one attention of one micro-batch (forward + backward).
     ring: K,V go round the ring in forward (c-1 hops); in backward K,V again (c-1) and dK,dV,
     which must also come home to their owner (c hops): 3c-2 hops of the local K,V.
     allgather: gather K,V in forward, again in backward, reduce-scatter dK,dV.
-    ulysses: all-to-all of q, k, v and the output, forward and backward."""
+    ulysses: all-to-all of q, k, v and the output, forward and backward (q and the output are
+    heads x head_dim wide, which need not be the model's dim)."""
     c, t = layout.cp, layout.tp
     if c == 1:
         return 0.0
@@ -115,7 +116,7 @@ def cp_bytes_per_layer(layout: Layout, tokens_local: float, dim: int, kv_dim: in
         return (3 * c - 2) * kv_local
     if layout.cp_method == "allgather":
         return 3 * (c - 1) * kv_local
-    qkvo_local = tokens_local * (2 * dim + 2 * kv_dim) / t * act_bytes
+    qkvo_local = tokens_local * (2 * q_dim + 2 * kv_dim) / t * act_bytes
     return 2 * (c - 1) / c * qkvo_local
 
 

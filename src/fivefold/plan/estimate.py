@@ -94,7 +94,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
             + n_stream * comm.gather_time(tokens_local * stats.dim * pr.param_bytes, links["tp"], hw))
     tp_t *= runtime.tp_exposed_fraction
 
-    cp_b = n_layers * comm.cp_bytes_per_layer(layout, tokens_local, stats.dim, stats.kv_dim,
+    cp_b = n_layers * comm.cp_bytes_per_layer(layout, tokens_local, stats.q_dim, stats.kv_dim,
                                               pr.act_bytes)
     cp_t = comm.collective_bytes_time(cp_b, links["cp"], hw)
     if layout.cp_method == "ring":
@@ -205,7 +205,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
 
     step = pipe_time + dp_visible + optim_time
     tok_s_gpu = workload.tokens_per_step / step / layout.world_size
-    mfu = tok_s_gpu * stats.flops_per_token(workload.seq_len) / hw.peak_flops
+    mfu = stats.mfu(workload.seq_len, tok_s_gpu, hw.peak_flops)
     parts = {k: m * v for k, v in worst.items()}
     parts.update({"bubble": slots * t_mb, "dp": dp_visible, "optimizer": optim_time})
     comm_bytes = {"dp": dp_bytes, "tp": m * per_mb_bytes["tp"], "pp": m * per_mb_bytes["pp"],

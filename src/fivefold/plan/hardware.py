@@ -37,17 +37,39 @@ class Hardware:
     fused_attention: bool = True  # FlashAttention-style kernel: no s^2 score matrix is stored
 
 
+# Dense tensor-core peaks per device, FLOP/s: (bf16, fp32 as TF32), datasheet values. The one
+# table: the profiles below and the trainer's MFU (train/metrics.py, by the name CUDA reports) read it.
+PEAK_FLOPS: dict[str, tuple[float, float]] = {
+    "a100": (312 * TB, 156 * TB),
+    "h100": (989 * TB, 494 * TB),
+    "h200": (989 * TB, 494 * TB),
+    "h800": (989 * TB, 494 * TB),
+    "b200": (2250 * TB, 1100 * TB),
+    "l40s": (362 * TB, 183 * TB),
+}
+
+
+def device_peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak FLOP/s of a GPU by the name CUDA reports ("NVIDIA H100 80GB HBM3") for a run's dtype
+    (bf16 | fp32), or None for a device the table does not know."""
+    name = device_name.lower()
+    for key, (bf16, tf32) in PEAK_FLOPS.items():
+        if key in name:
+            return bf16 if dtype == "bf16" else tf32
+    return None
+
+
 # Datasheet values (NVIDIA SXM parts, DGX-style nodes of 8 GPUs with one 400 Gb/s NIC per GPU).
 # Bus bandwidths are what NCCL reaches, about 80% of the link rate: NVLink 4 moves 450 GB/s each
 # way per GPU, so ~360 GB/s; a 400 Gb/s NIC moves 50 GB/s, so ~40 GB/s.
 PROFILES: dict[str, Hardware] = {
-    "a100": Hardware("a100", peak_flops=312 * TB, memory_bytes=80 * GB, hbm_bw=2.0 * TB,
+    "a100": Hardware("a100", peak_flops=PEAK_FLOPS["a100"][0], memory_bytes=80 * GB, hbm_bw=2.0 * TB,
                      intra_bw=240 * GB, nic_bw=20 * GB),  # NVLink 3 (300 GB/s/dir), 200 Gb/s HDR
-    "h100": Hardware("h100", peak_flops=989 * TB, memory_bytes=80 * GB, hbm_bw=3.35 * TB,
+    "h100": Hardware("h100", peak_flops=PEAK_FLOPS["h100"][0], memory_bytes=80 * GB, hbm_bw=3.35 * TB,
                      intra_bw=360 * GB, nic_bw=40 * GB),
-    "h200": Hardware("h200", peak_flops=989 * TB, memory_bytes=141 * GB, hbm_bw=4.8 * TB,
+    "h200": Hardware("h200", peak_flops=PEAK_FLOPS["h200"][0], memory_bytes=141 * GB, hbm_bw=4.8 * TB,
                      intra_bw=360 * GB, nic_bw=40 * GB),
-    "b200": Hardware("b200", peak_flops=2250 * TB, memory_bytes=180 * GB, hbm_bw=8.0 * TB,
+    "b200": Hardware("b200", peak_flops=PEAK_FLOPS["b200"][0], memory_bytes=180 * GB, hbm_bw=8.0 * TB,
                      intra_bw=720 * GB, nic_bw=40 * GB),  # NVLink 5 (900 GB/s/dir), 400 Gb/s NIC
     # One CPU process of a laptop run under gloo: for comparing with local runs, not for speed claims.
     "cpu": Hardware("cpu", peak_flops=0.1 * TB, memory_bytes=16 * GB, hbm_bw=20 * GB,

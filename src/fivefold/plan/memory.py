@@ -3,29 +3,39 @@ tp/sp/cp/recomputation and the pipeline schedule, logits, temporary buffers, run
 
 Activations come in two recipes (Runtime.activation_recipe):
 
-'fivefold' — what fivefold's own Llama block keeps, counted tensor by tensor on our runs with
-train/activation_probe.py and checked in tests/test_plan_activations.py (fp32 and bf16 autocast,
-tp/sp, cp, none/selective/full). Per token of one micro-batch, a layer keeps, with S the
-residual-stream bytes (the fp32 weights' dtype), A the compute bytes (bf16 under autocast), s the
-sequence split (tp under sequence parallelism) and t the tp degree:
+'fivefold' — what fivefold's own decoder block (models/decoder.py, every family) keeps, counted
+tensor by tensor on our runs with train/activation_probe.py and checked in
+tests/test_plan_activations.py (fp32 and bf16 autocast, tp/sp, cp, none/selective/full; llama,
+mixtral, qwen3, qwen3_moe). Per token of one micro-batch, a layer keeps, with S the residual-stream
+bytes (the fp32 weights' dtype), A the compute bytes (bf16 under autocast), s the sequence split (tp
+under sequence parallelism), t the tp degree, h the model width and q = heads x head_dim the width of
+the queries and of the attention output (h unless head_dim is explicit, as in Qwen3):
   each RMSNorm: its input and the normalised x·rstd, 2h/s x S, and rstd (fp32, 1/s)
-  the norm output, cast once to A (models/llama.py) and saved by the matmuls that read it: h x A,
+  the norm output, cast once to A (models/decoder.py) and saved by the matmuls that read it: h x A,
       full sequence (gathered) under sequence parallelism
-  attention: q and k after RoPE, v, the output (h + kv + kv + h)/t x A, logsumexp (fp32 per head)
+  attention: q and k after RoPE, v, the output (q + kv + kv + q)/t x A, logsumexp (fp32 per head);
+      under context parallelism also the output's contiguous copy that the output projection
+      reads, q/t x A (ring and Ulysses attention return it head-major)
+  per-head q/k RMSNorm (Qwen3): its input and x·rstd, both fp32 (a bf16 input is upcast first and
+      the copy kept), and rstd per head: (2(q + kv) x 4 + 4 (heads + kv heads))/t
   MLP: gate and up outputs, silu(gate), silu(gate)·up: 4f/t x A
   MoE instead (replicated over tp): the k dispatched copies of each token, their expert output and
       its weighted copy 3kh, each copy's SwiGLU 4kf (x A), shared experts' SwiGLU, the routing
       bookkeeping (fp32 scores, int64 top-k and sort indices: 4E + 41k bytes)
-'selective' keeps the block input and the outputs of the matmuls and attention (the row-parallel
-outputs whole, h x A, before their reduce-scatter); 'full' keeps the block input.
+'selective' keeps the block input and the outputs of the matmuls and attention (q, k, v and the
+attention output, and the row-parallel outputs whole, h x A, before their reduce-scatter; ring
+attention's cp kernels each keep their output and lse, all queries' on the last cp rank); 'full'
+keeps the block input. Per micro-batch the forward also keeps the RoPE tables (fp32 cos and sin,
+seq/cp x head_dim each); the last stage keeps the final norm, the fp32 log-softmax of the logits and
+the int64 labels. The weights' compute-dtype copies are model state ('other'), not activations.
 
 'nanotron' — Korthikanti et al. 2022 (arXiv 2205.05198) as the Playbook's nanotron runs keep it,
 for benchmarks/planner_accuracy.py. Per token of one micro-batch, a layer saves:
   both RMSNorm inputs and both norm outputs                 4h  (split across tp only under
       sequence parallelism, where the column-parallel matmuls re-gather their input in backward)
-  q h, k and v 2 kv_dim, attention output h, logsumexp      split across tp
+  q, k and v q + 2 kv_dim, attention output q, logsumexp    split across tp
   implementation copies: the attention output again (the contiguous copy the output projection
-      reads) and q, k before RoPE (kept alive by the fused QKV output they are views of)  3h
+      reads) and q, k before RoPE (kept alive by the fused QKV output they are views of)  3q
   MLP: gate and up 2f, silu(gate) f, silu(gate)*up f        split across tp
 (an unfused attention also keeps the a x s softmax). 'selective' recomputes the norms and the
 activation function (drops the norm outputs and silu(gate)); 'full' keeps only each layer's input
@@ -142,13 +152,13 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
 def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq_len: int,
                               recompute: str, fused_attention: bool) -> float:
     """Activation elements one layer saves per token of one micro-batch on one rank."""
-    h, kv, t, cp = stats.dim, stats.kv_dim, layout.tp, layout.cp
+    h, q, kv, t, cp = stats.dim, stats.q_dim, stats.kv_dim, layout.tp, layout.cp
     seq_split = t if (t > 1 and layout.sp) else 1
     if recompute == "full":
         return h / seq_split  # the layer input only
     norms_in, norms_out = 2 * h / seq_split, 2 * h / seq_split  # norms_out: the matmul inputs
-    # q, k, v, output, fp32 logsumexp (2 bf16 units per head), and the 3h of copies (docstring)
-    attention = (2 * h + 2 * kv + 3 * h) / t + 2 * stats.n_heads / t
+    # q, k, v, output, fp32 logsumexp (2 bf16 units per head), and the 3q of copies (docstring)
+    attention = (2 * q + 2 * kv + 3 * q) / t + 2 * stats.n_heads / t
     if not fused_attention:
         attention += stats.n_heads * seq_len / cp / t  # the softmax over all keys
     if stats.is_moe(layer):
@@ -178,7 +188,7 @@ def rank_activation_elements(stats: ModelStats, prank: PipelineRank, layout: Lay
 def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len: int, recompute: str,
                          precision, fused_attention: bool) -> float:
     """Bytes one of fivefold's blocks keeps per token of one micro-batch on one rank (docstring)."""
-    h, kv, t = stats.dim, stats.kv_dim, layout.tp
+    h, q, kv, t = stats.dim, stats.q_dim, stats.kv_dim, layout.tp
     s = t if (t > 1 and layout.sp) else 1
     S, A = precision.param_bytes, precision.act_bytes
     if recompute == "full":
@@ -192,15 +202,23 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
         mlp_selective = (k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A
     else:
         mlp = 4 * stats.ffn_dim / t * A
-        mlp_selective = (2 * stats.ffn_dim / t + h) * A  # gate and up outputs, w2's whole output
+        mlp_selective = (2 * stats.ffn_dim / t + h) * A  # gate and up outputs, the down projection's whole output
     lse = stats.n_heads / t * 4  # fp32 logsumexp per head
     if not fused_attention:
         lse += stats.n_heads / t * seq_len / layout.cp * A  # the softmax over all keys
+    qkv, out = (q + 2 * kv) / t * A, q / t * A + lse  # q, k, v; the attention output and its lse
     if recompute == "selective":
-        attention = (2 * h + 2 * kv) / t * A + lse + h * A  # q, k, v, output; wo's whole output
-        return h / s * S + attention + mlp_selective
+        # It keeps every attention kernel's output: ring attention runs cp of them, and the last cp
+        # rank runs each over all its queries. + the output projection's whole output.
+        kernels = layout.cp if layout.cp_method == "ring" else 1
+        return h / s * S + qkv + kernels * out + h * A + mlp_selective
     norms = 2 * (2 * h / s * S + 4 / s + h * A)  # + each output in A, as the matmuls read it
-    return norms + (2 * h + 2 * kv) / t * A + lse + mlp
+    attention = qkv + out
+    if stats.qk_norm:  # the per-head norms' fp32 input and x·rstd, rstd per head
+        attention += (2 * (q + kv) * 4 + 4 * (stats.n_heads + stats.n_kv_heads)) / t
+    if layout.cp > 1:  # the output projection reads a contiguous copy of the head-major output
+        attention += q / t * A
+    return norms + attention + mlp
 
 
 def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recompute: str,
@@ -224,7 +242,7 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
         # norm input and x·rstd, rstd, the output layer's input (gathered under sp); the fp32
         # log-softmax of the vocab-parallel logits; in backward their fp32 and A gradients.
         norm = 2 * stats.dim / s * pr.param_bytes + 4 / s + stats.dim * pr.act_bytes
-        return norm, 4 * vocab, (4 + pr.act_bytes) * vocab
+        return norm, 4 * vocab + 8, (4 + pr.act_bytes) * vocab  # + the int64 labels
     return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0
 
 
@@ -236,6 +254,10 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
     saved = in_flight * tokens * sum(
         count * layer_activation_bytes(workload, layer, layout, layout.recompute, hw, runtime)
         for layer, count in prank.kinds)
+    if runtime.activation_recipe == "fivefold" and prank.layers:
+        # Each micro-batch's RoPE tables: fp32 cos and sin of its local positions (one per sequence
+        # position, shared by the batch).
+        saved += in_flight * 2 * 4 * workload.seq_len / layout.cp * workload.stats.head_dim
     # The backward of one layer materialises gradients about as large as what that layer saved;
     # under full recomputation it first rebuilds that layer's activations as well.
     biggest = max((layer_activation_bytes(workload, layer, layout, "none", hw, runtime)

@@ -4,7 +4,9 @@ The planner predicts activation bytes (plan/memory.py); this is the measurement 
 against. While the forward and the loss run, a dispatch mode holds on to the storage of every
 tensor an operator creates; at the end, the storages that something else still references
 (autograd's saved tensors, what activation checkpointing keeps, the logits for the loss) are
-what the step holds for backward. Unlike saved-tensor hooks this also sees what
+what the step holds for backward. Compute-dtype copies of the parameters (autocast's bf16 weights,
+the experts' cast) are left out: they scale with the parameters, not the tokens, and the planner
+counts them apart (memory 'other'). Unlike saved-tensor hooks this also sees what
 torch.utils.checkpoint keeps, so 'selective' and 'full' recomputation are measured like 'none';
 unlike allocator totals it is not disturbed by communication buffers freed late on other threads.
 
@@ -31,22 +33,33 @@ def _plain_tensors(tensor: torch.Tensor):
 
 
 class _Created(TorchDispatchMode):
-    """Holds the storage of every tensor an operator returns (one reference each)."""
+    """Holds the storage of every tensor an operator returns (one reference each). A cast of a
+    parameter goes to `casts` instead: held too (so that no later storage can take its address),
+    never counted."""
 
-    def __init__(self, existing: set[int]):
+    def __init__(self, existing: set[int], parameters: set[int]):
         super().__init__()
         self.existing = existing
+        self.parameters = parameters
         self.storages: dict[int, torch.UntypedStorage] = {}
+        self.casts: dict[int, torch.UntypedStorage] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        weight_cast = func is torch.ops.aten._to_copy.default and any(
+            t.untyped_storage().data_ptr() in self.parameters for t in _plain_tensors(args[0]))
         for leaf in tree_leaves(out):
             if not isinstance(leaf, torch.Tensor):
                 continue
             for tensor in _plain_tensors(leaf):
                 storage = tensor.untyped_storage()
-                if storage.data_ptr() not in self.existing and storage.nbytes():
-                    self.storages.setdefault(storage.data_ptr(), storage)
+                ptr = storage.data_ptr()
+                if ptr in self.existing or ptr in self.casts or not storage.nbytes():
+                    continue
+                if weight_cast:  # a weight's compute-dtype copy: model state, not an activation
+                    self.casts[ptr] = storage
+                else:
+                    self.storages.setdefault(ptr, storage)
         return out
 
     def kept_bytes(self) -> int:
@@ -60,11 +73,13 @@ def forward_kept_bytes(par, batch: torch.Tensor, autocast) -> int:
         raise ValueError("forward_kept_bytes measures layouts without pipeline parallelism")
     inputs, labels, positions = par.split_sequence(batch)
     existing = {t.untyped_storage().data_ptr() for t in (inputs, labels, positions) if t is not None}
+    parameters = set()
     for part in par.parts:
         for tensor in [*part.parameters(), *part.buffers()]:
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            existing.add(local.untyped_storage().data_ptr())
-    mode = _Created(existing)
+            parameters.add(local.untyped_storage().data_ptr())
+    existing |= parameters
+    mode = _Created(existing, parameters)
     with mode, autocast():
         loss = par.loss(par.model(inputs, positions), labels)
     kept = mode.kept_bytes()

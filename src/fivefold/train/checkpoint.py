@@ -223,11 +223,10 @@ def read_state(path: Path) -> dict:
 
 def _expected(cfg_model, with_optimizer: bool) -> dict[str, tuple]:
     """Checkpoint key -> whole shape this model needs (from a meta-device model: no memory)."""
-    from fivefold.models import Transformer
+    from fivefold.models import build_meta_model
     from fivefold.parallel.state import expected_shapes
 
-    with torch.device("meta"):
-        model = Transformer(cfg_model)
+    model = build_meta_model(cfg_model)
     shapes = expected_shapes(model)
     out = {f"model/{name}": shape for name, shape in shapes.items()}
     if with_optimizer:

@@ -1,18 +1,21 @@
 """Text in, global batches out.
 
-- Corpus: the built-in one (this Python's own standard-library sources: real text on every machine,
-  no download) or local .txt / .jsonl / .parquet files.
+- Corpus: a prepared folder (`fivefold prepare`: memory-mapped token shards, `token_shards.py`), a
+  weighted mixture of them (`data.mix`, `mixture.py`), or, for small data tokenized at start-up,
+  the built-in one (this Python's own standard-library sources: real text on every machine, no
+  download) or local .txt / .jsonl / .parquet / .arrow files (`readers.py`, streamed).
 - Tokenizer: bytes by default (vocab 256), or any Hugging Face `tokenizer.json`.
 - Packing: the token stream is cut into windows of seq_len+1 tokens (inputs + shifted labels).
 - Sampling: the global batch of step k is a function of (seed, data, k) only. Each epoch is a seeded
   permutation of the windows and step k takes the next `global_batch` of them; a data-parallel rank
   then takes its contiguous slice. So the layout never changes which sequences a step sees, and the
   sampler's position is just the step number.
+- Held out: the tail of the stream for small data; whole documents spread over the corpus for a
+  prepared folder.
 """
 
 from __future__ import annotations
 
-import json
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +24,10 @@ import numpy as np
 import torch
 
 from fivefold.config import ConfigError, DataConfig
-
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".parquet")
+from fivefold.train.mixture import GlobalBatches, parse_mix
+from fivefold.train.permutation import permute
+from fivefold.train.readers import SUFFIXES, file_documents, folder_files
+from fivefold.train.token_shards import is_prepared, prepared_splits
 
 
 class ByteTokenizer:
@@ -72,43 +77,24 @@ def builtin_documents(max_bytes: int):
             return
 
 
-def _file_documents(path: Path, text_field: str):
-    if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if text_field not in record:
-                        raise ConfigError(f"{path}:{number} has no field '{text_field}'; set data.text_field")
-                    yield record[text_field]
-    elif path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ConfigError(f"reading {path} needs pyarrow; run `pip install pyarrow`") from None
-        table = pq.read_table(path, columns=[text_field])
-        yield from table.column(text_field).to_pylist()
-    else:
-        yield path.read_text(encoding="utf-8", errors="replace")
-
-
 def documents(cfg: DataConfig):
+    """The raw-file path's documents, one at a time (parquet and Arrow by batches, jsonl by lines)."""
     if cfg.source == "builtin":
         yield from builtin_documents(cfg.builtin_max_bytes)
         return
     source = Path(cfg.source)
-    files = sorted(p for p in source.rglob("*") if p.suffix in TEXT_SUFFIXES) if source.is_dir() else [source]
+    files = folder_files(source) if source.is_dir() else [source]
     if not files:
-        raise ConfigError(f"data.source '{cfg.source}' holds no {'/'.join(TEXT_SUFFIXES)} files")
+        raise ConfigError(f"data.source '{cfg.source}' holds no {'/'.join(SUFFIXES)} files")
     for path in files:
-        yield from _file_documents(path, cfg.text_field)
+        yield from file_documents(path, cfg.text_field, "data.text_field")
 
 
 def tokenize_corpus(cfg: DataConfig, tokenizer) -> np.ndarray:
-    """All documents, tokenized and concatenated (a newline between documents)."""
+    """All documents, tokenized and concatenated (a newline after each document). Documents are
+    tokenized one at a time into int32 pieces, so only the tokens (not the text) are held whole."""
     parts = [tokenizer.encode(doc + "\n") for doc in documents(cfg)]
-    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    return tokens
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
 @dataclass
@@ -142,27 +128,22 @@ def load_splits(cfg: DataConfig, seq_len: int, vocab_size: int) -> tuple[Split, 
 
 
 class GlobalBatchSampler:
-    """Window indices of step k's global batch, a function of (seed, number of windows, k) only."""
+    """Window indices of step k's global batch, a function of (seed, number of windows, k) only.
+    Draw j of the run is element j mod n of epoch j // n's seeded permutation, computed lazily
+    (`permutation.permute`), so no rank ever holds an epoch's order."""
 
     def __init__(self, num_windows: int, global_batch: int, seed: int):
         self.num_windows, self.global_batch, self.seed = num_windows, global_batch, seed
         self.step = 0  # position: the next step to draw; saved and restored with checkpoints
-        self._epoch_cache: dict[int, torch.Tensor] = {}
 
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._epoch_cache:
-            generator = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            self._epoch_cache = {epoch: torch.randperm(self.num_windows, generator=generator)}
-        return self._epoch_cache[epoch]
+    def window_at(self, draws: np.ndarray) -> np.ndarray:
+        draws = np.asarray(draws, dtype=np.int64)
+        epochs, positions = np.divmod(draws, self.num_windows)
+        return permute(self.num_windows, self.seed, epochs, positions)
 
     def indices(self, step: int) -> torch.Tensor:
         start = step * self.global_batch
-        picked = []
-        while len(picked) < self.global_batch:
-            epoch, offset = divmod(start + len(picked), self.num_windows)
-            take = min(self.num_windows - offset, self.global_batch - len(picked))
-            picked.extend(self._epoch_order(epoch)[offset: offset + take].tolist())
-        return torch.tensor(picked)
+        return torch.from_numpy(self.window_at(np.arange(start, start + self.global_batch)))
 
     def next_indices(self) -> torch.Tensor:
         indices = self.indices(self.step)
@@ -185,3 +166,27 @@ def rank_slice(batch: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
     """The contiguous share of a global batch that data-parallel rank `rank` of `ranks` trains on."""
     per_rank = batch.shape[0] // ranks
     return batch[rank * per_rank: (rank + 1) * per_rank]
+
+
+def load_training_data(cfg: DataConfig, seq_len: int, vocab_size: int, global_batch: int,
+                       seed: int) -> tuple[GlobalBatches, GlobalBatches]:
+    """(train, held-out) global batches for any data source; held-out batches use seed+1."""
+    if cfg.mix or is_prepared(cfg.source):
+        entries = parse_mix(cfg.mix) if cfg.mix else [(cfg.source, 1.0)]
+        pairs = [prepared_splits(folder, seq_len, cfg.val_fraction) for folder, _ in entries]
+        for (folder, _), (train, _) in zip(entries, pairs):
+            if train.num_windows == 0:
+                raise ConfigError(f"'{folder}' has {train.num_tokens} training tokens, too few for one window "
+                                  f"of train.seq_len={seq_len}; add text or lower train.seq_len")
+        names, weights = [f for f, _ in entries], [w for _, w in entries]
+        train_batches = GlobalBatches([p[0] for p in pairs], names, weights, global_batch, seed)
+        # A source too small to hold documents out (or val_fraction = 0) is left out of evaluation.
+        held = [(f, w, p[1]) for (f, w), p in zip(entries, pairs) if p[1].num_windows] or \
+            [(f, w, p[1]) for (f, w), p in zip(entries, pairs)]
+        total = sum(w for _, w, _ in held)
+        val_batches = GlobalBatches([v for _, _, v in held], [f for f, _, _ in held],
+                                    [w / total for _, w, _ in held], global_batch, seed + 1)
+        return train_batches, val_batches
+    train, val = load_splits(cfg, seq_len, vocab_size)
+    return (GlobalBatches([train], [cfg.source], [1.0], global_batch, seed),
+            GlobalBatches([val], [cfg.source], [1.0], global_batch, seed + 1))

@@ -1,6 +1,8 @@
-"""What a step reports: console progress, `metrics.jsonl`, TensorBoard; FLOPs and MFU.
+"""What a step reports: console progress, `metrics.jsonl`, TensorBoard; the devices' peak for MFU.
 
 Only rank 0 writes. Each metrics.jsonl line is one optimizer step (DESIGN.md "Run directory").
+MFU itself is the planner's formula (ModelStats.mfu: active parameters, so MoE counts the experts
+a token visits), with the peak from the planner's table (plan/hardware.py).
 """
 
 from __future__ import annotations
@@ -12,28 +14,18 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import ModelConfig
-
-# Dense bf16 tensor-core peaks (FLOP/s) by the name CUDA reports; fp32 uses TF32 peaks.
-PEAK_FLOPS = {  # name fragment: (bf16, fp32)
-    "A100": (312e12, 156e12),
-    "H100": (989e12, 494e12),
-    "H200": (989e12, 494e12),
-    "H800": (989e12, 494e12),
-    "B200": (2250e12, 1100e12),
-    "L40S": (362e12, 183e12),
-}
+from fivefold.plan.hardware import device_peak_flops
 
 
-def peak_flops(device: torch.device, dtype: str) -> float | None:
-    """Peak FLOP/s of one device, or None where MFU means nothing (CPU, unknown GPU)."""
+def peak_flops(device: torch.device, dtype: str, override_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device, from the planner's table (plan/hardware.py), or None where MFU
+    means nothing (CPU, unknown GPU). `override_tflops` (the config's cluster.peak_tflops) wins:
+    the same override the planner takes for a GPU the table lacks."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, (bf16, fp32) in PEAK_FLOPS.items():
-        if fragment in name:
-            return bf16 if dtype == "bf16" else fp32
-    return None
+    return device_peak_flops(torch.cuda.get_device_name(device), dtype)
 
 
 def cuda_memory(device: torch.device) -> dict[str, int]:
@@ -44,17 +36,6 @@ def cuda_memory(device: torch.device) -> dict[str, int]:
     return {"cuda_mem_allocated_bytes": torch.cuda.memory_allocated(device),
             "cuda_mem_reserved_bytes": torch.cuda.memory_reserved(device),
             "cuda_mem_peak_bytes": torch.cuda.max_memory_allocated(device)}
-
-
-def matmul_params(cfg: ModelConfig, total_params: int) -> int:
-    """Parameters that take part in a matmul per token: all but an untied input embedding table."""
-    embedding = cfg.vocab_size * cfg.dim
-    return total_params if cfg.tie_embeddings else total_params - embedding
-
-
-def flops_per_token(cfg: ModelConfig, total_params: int, seq_len: int) -> float:
-    """Model FLOPs for forward+backward of one token: 6N + 12·L·d·s (attention scores and values)."""
-    return 6 * matmul_params(cfg, total_params) + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
 class MetricsWriter:

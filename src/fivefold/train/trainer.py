@@ -19,11 +19,14 @@ from fivefold.config import Config, ConfigError, micro_batches
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
 from fivefold.parallel.parallelize import Parallelized, parallelize
+from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
 from fivefold.train import checkpoint, faults
-from fivefold.train.data import GlobalBatchSampler, Split, load_splits, rank_slice
-from fivefold.train.metrics import MetricsWriter, cuda_memory, flops_per_token, peak_flops
+from fivefold.train.data import load_training_data
+from fivefold.train.metrics import MetricsWriter, cuda_memory, peak_flops
+from fivefold.train.mixture import GlobalBatches
 from fivefold.train.optim import adamw, lr_scheduler
+from fivefold.train.prefetch import BatchPrefetcher
 from fivefold.validate import check_supported, validate
 
 
@@ -76,12 +79,11 @@ def initial_weights(cfg: Config):
 
 
 @torch.no_grad()
-def evaluate(par: Parallelized, split: Split, cfg: Config, device: torch.device) -> float:
+def evaluate(par: Parallelized, held_out: GlobalBatches, cfg: Config, device: torch.device) -> float:
     """Mean loss over the first `eval_batches` global batches of the held-out split."""
-    sampler = GlobalBatchSampler(split.num_windows, cfg.train.global_batch, seed=cfg.train.seed + 1)
     total = 0.0
     for step in range(cfg.train.eval_batches):
-        local = rank_slice(split.windows(sampler.indices(step)), par.dp_rank, cfg.parallel.dp).to(device)
+        local = held_out.rank_batch(step, par.dp_rank, cfg.parallel.dp).to(device)
         total += par.eval_loss(local, lambda: autocast(cfg, device))
     return par.mean_over_dp(total / cfg.train.eval_batches)
 
@@ -89,14 +91,14 @@ def evaluate(par: Parallelized, split: Split, cfg: Config, device: torch.device)
 def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     rt, par = setup(cfg, rt)
     t = cfg.train
-    train_split, val_split = load_splits(cfg.data, t.seq_len, cfg.model.vocab_size)
-    sampler = GlobalBatchSampler(train_split.num_windows, t.global_batch, t.seed)
+    # `sampler` is the data position checkpoints save; step k's batch depends on (seed, data, k) only.
+    sampler, held_out = load_training_data(cfg.data, t.seq_len, cfg.model.vocab_size, t.global_batch, t.seed)
     optimizer = par.optimizer(lambda params: adamw(params, t))
     scheduler = lr_scheduler(optimizer, t)
     n_micro = micro_batches(cfg)
     tokens_per_step = t.global_batch * t.seq_len
-    flops_per_step = flops_per_token(cfg.model, par.n_params, t.seq_len) * tokens_per_step
-    peak = peak_flops(rt.device, t.dtype)
+    stats = model_stats(cfg.model)  # MFU: the planner's formula, active parameters for MoE
+    peak = peak_flops(rt.device, t.dtype, cfg.cluster.peak_tflops)
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
                            cfg.log.progress)
     writer.note(par.describe())
@@ -110,13 +112,13 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         torch.cuda.reset_peak_memory_stats(rt.device)
 
     first_step = sampler.step
+    prefetcher = BatchPrefetcher(sampler, par.dp_rank, cfg.parallel.dp, rt.device, t.steps)
     for step in range(first_step, t.steps):
         faults.progress.step = step + 1  # named by the error if a collective times out
         faults.maybe_crash(cfg, step + 1, rt.rank)
         start = time.perf_counter()
-        batch = rank_slice(train_split.windows(sampler.next_indices()), par.dp_rank, cfg.parallel.dp)
-        # From pinned memory the copy to the GPU is asynchronous; from pageable memory it is not.
-        batch = (batch.pin_memory() if rt.device.type == "cuda" else batch).to(rt.device, non_blocking=True)
+        batch = prefetcher.get(step)  # read in the background during the previous step
+        sampler.step = step + 1
         lr = optimizer.param_groups[0]["lr"]
         comm_every = cfg.log.comm_every or cfg.log.every
         measured = step in (first_step, t.steps - 1) or (comm_every and (step + 1) % comm_every == 0)
@@ -141,7 +143,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         record = {
             "step": step + 1, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
             "tokens_per_sec": world_tokens_per_sec,
-            "mfu": flops_per_step / step_time / (peak * rt.world_size) if peak else None,
+            "mfu": stats.mfu(t.seq_len, world_tokens_per_sec / rt.world_size, peak) if peak else None,
             "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
             **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
             **par.router_metrics,  # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops
@@ -149,9 +151,11 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         bubble = par.bubble_fraction(step_time)
         if bubble is not None:
             record["bubble_fraction"] = bubble  # measured: idle share of the pipeline ranks
-        if t.eval_every and (step + 1) % t.eval_every == 0 and val_split.num_windows:
-            record["val_loss"] = evaluate(par, val_split, cfg, rt.device)
+        if t.eval_every and (step + 1) % t.eval_every == 0 and held_out.num_windows:
+            record["val_loss"] = evaluate(par, held_out, cfg, rt.device)
         if cfg.log.every and (step + 1) % cfg.log.every == 0:
+            if len(sampler.names) > 1:  # a mixture: tokens each source has given the run so far
+                record["source_tokens"] = sampler.source_tokens(step + 1)
             slow = faults.straggler(step_time, rt.device)  # a collective: every rank, same steps
             if slow is not None:
                 record["straggler"] = slow
@@ -169,12 +173,14 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         writer.log(record)
         if bad_steps >= t.max_bad_steps:
             writer.close()
+            prefetcher.close()
             raise ConfigError(f"training stopped at step {step + 1}: the loss or gradient norm was not "
                               f"finite for {bad_steps} steps in a row (train.max_bad_steps); lower train.lr, "
                               "check the data, or resume from an earlier checkpoint")
         if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
             checkpoint.save(cfg, step + 1, par, optimizer, scheduler, sampler, rt.is_main)
     checkpoint.wait_for_save()  # an asynchronous write finishes before the run returns
+    prefetcher.close()
     writer.close()
     return result
 

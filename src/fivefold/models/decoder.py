@@ -1,4 +1,8 @@
-"""A Llama-3-style decoder as a plain single-device module.
+"""The decoder every family is made of (Llama 3, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3), as a plain
+single-device module; a family picks its variant (models/<family>/spec.py): per-head q/k RMSNorm
+(Qwen3), an MoE feed-forward in some layers (models/moe.py), tied or untied embeddings, or its own
+attention module and RoPE tables (DeepSeek-V3's latent attention: a subclass of `Transformer`
+passing `attention` and overriding `rope_frequencies` / `rope_tables`).
 
 Nothing here knows about parallelism. Two properties make the parallel code's job possible:
 - Shapes are read from tensors, never from the config, inside forward (`view(b, s, -1, head_dim)`),
@@ -12,6 +16,7 @@ Nothing here knows about parallelism. Two properties make the parallel code's jo
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,21 +64,28 @@ class CausalAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Grouped-query attention with RoPE. With `qk_norm` (Qwen3) each head's query and key are
+    RMS-normalised over head_dim (one weight shared by all heads) before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, qk_norm: bool = False):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -101,10 +113,12 @@ def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, feed_forward: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, feed_forward: nn.Module | None = None, qk_norm: bool = False,
+                 attention: nn.Module | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
+        # Any module (x, cos, sin) -> x whose math runs in a parameter-free `core` (q, k, v) -> out.
+        self.attention = attention if attention is not None else Attention(cfg, qk_norm)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(cfg.dim, cfg.ffn_dim)
 
@@ -114,21 +128,30 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens (batch, seq) -> logits (batch, seq, vocab)."""
+    """tokens (batch, seq) -> logits (batch, seq, vocab).
 
-    def __init__(self, cfg: ModelConfig):
+    `attention(cfg)`, when given, makes each block's attention module instead of `Attention`."""
+
+    def __init__(self, cfg: ModelConfig, qk_norm: bool = False,
+                 attention: Callable[[ModelConfig], nn.Module] | None = None):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         from fivefold.models.moe import moe_feed_forward  # here: moe.py builds on this module
 
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, moe_feed_forward(cfg, i))
-                                     for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({
+            str(i): TransformerBlock(cfg, moe_feed_forward(cfg, i), qk_norm,
+                                     attention(cfg) if attention is not None else None)
+            for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
+        self.register_buffer("inv_freq", self.rope_frequencies(), persistent=False)
+
+    def rope_frequencies(self) -> torch.Tensor:
+        """The RoPE inverse frequencies of the config (a family with other RoPE overrides this)."""
+        return rope_inverse_frequencies(self.cfg)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float32)[..., None] * self.inv_freq
@@ -156,16 +179,10 @@ class Transformer(nn.Module):
         """Recompute the buffers derived from the config (RoPE frequencies), e.g. after the model was
         built on the meta device and moved to real memory uninitialised."""
         device = self.inv_freq.device
-        self.inv_freq = rope_inverse_frequencies(self.cfg).to(device)
+        self.inv_freq = self.rope_frequencies().to(device)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Weights are a function of (seed, parameter name, shape) only (`initial_values`), so
-        building, splitting or sharding the model in any order reproduces the same values: the
-        basis of every layout-equivalence test."""
-        fill = initial_values(self.cfg, seed)
-        for name, param in self.named_parameters():
-            param.copy_(fill(name, tuple(param.shape), (0,) * param.dim(), tuple(param.shape)))
+# The tied pair of `tie_embeddings`: the output layer's weight is the embedding matrix (copy -> source).
+TIED = {"output.weight": "tok_embeddings.weight"}
 
 
 def initial_values(cfg: ModelConfig, seed: int) -> Fill:
@@ -174,8 +191,8 @@ def initial_values(cfg: ModelConfig, seed: int) -> Fill:
     residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2 style: keeps the residual stream's scale
 
     def fill(name: str, shape, offsets, sizes) -> torch.Tensor:
-        if cfg.tie_embeddings and name == "output.weight":
-            name = "tok_embeddings.weight"  # a pipeline's last stage holds its own copy
+        if cfg.tie_embeddings and name in TIED:
+            name = TIED[name]  # a pipeline's last stage holds its own copy
         if "norm" in name:
             return constant(1.0, sizes)
         if name.endswith("expert_bias"):  # bias balancing's state starts at zero

@@ -1,0 +1,145 @@
+"""Parameter counts and FLOPs of models/decoder.py's decoder, from the same ModelConfig training
+uses: the planner's statistics of every family built on it (their stats.py call `decoder_stats`).
+
+The block counted: RMSNorm, grouped-query attention without biases (q, k, v and output
+projections; with qk_norm an RMSNorm of head_dim on q and on k), SwiGLU MLP, and for MoE layers a
+linear router, routed experts (each a SwiGLU MLP of expert_ffn_dim) and optional shared experts.
+Pure arithmetic: no torch (the planner must run anywhere in milliseconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.models.moe_layout import is_moe_layer
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    tie_embeddings: bool
+    attention_params: int  # per layer: the q, k, v and output projections (+ q/k norms)
+    norm_params: int  # per layer: two RMSNorm weights
+    dense_mlp_params: int  # per dense layer
+    # MoE (zeros for a dense model)
+    n_experts: int
+    top_k: int
+    expert_params: int  # one routed expert
+    shared_expert_params: int  # all shared experts of one MoE layer
+    router_params: int  # per MoE layer
+    moe_layers: tuple[int, ...]  # indices of MoE layers
+    qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
+    # Value head dim when it differs from head_dim (latent attention: head_dim is the q/k head dim);
+    # 0 = head_dim.
+    v_head_dim: int = 0
+
+    # ----- derived counts
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): dim, unless head_dim is explicit."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus the output projection when it is a separate matrix."""
+        return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def layer_params(self, layer: int, active_only: bool = False) -> int:
+        base = self.attention_params + self.norm_params
+        if not self.is_moe(layer):
+            return base + self.dense_mlp_params
+        experts = self.top_k if active_only else self.n_experts
+        return base + self.router_params + self.shared_expert_params + experts * self.expert_params
+
+    @property
+    def total_params(self) -> int:
+        layers = sum(self.layer_params(i) for i in range(self.n_layers))
+        return layers + self.embedding_params + self.dim  # + final norm
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token touches (MoE: top_k routed experts instead of all of them)."""
+        layers = sum(self.layer_params(i, active_only=True) for i in range(self.n_layers))
+        return layers + self.embedding_params + self.dim
+
+    @property
+    def expert_params_total(self) -> int:
+        return self.n_moe_layers * self.n_experts * self.expert_params
+
+    # ----- FLOPs
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Score and value matmuls, forward + backward, counted over the full (non-causal) square
+        the way the Playbook's MFU counts them: 12 * h * s per layer (h = heads x head_dim); with
+        its own value head dim, 6 * heads * (head_dim + v_head_dim) * s."""
+        if self.v_head_dim:
+            return 6.0 * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
+        return 12.0 * self.n_heads * self.head_dim * seq_len
+
+    def moe_flops_per_token(self, layer: int) -> float:
+        """The MoE part of a layer (router, shared experts, the top-k routed experts); 0 if dense."""
+        if not self.is_moe(layer):
+            return 0.0
+        return 6.0 * (self.router_params + self.shared_expert_params + self.top_k * self.expert_params)
+
+    def layer_flops_per_token(self, layer: int, seq_len: int) -> float:
+        return 6.0 * self.layer_params(layer, active_only=True) + self.attention_flops_per_token(seq_len)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per token for forward + backward: 6 N_active + 12 L q s (no recomputation;
+        q = heads x head_dim). MoE counts the experts a token visits, not all of them.
+
+        N includes the embedding, as the Playbook's and most MFU figures do."""
+        return 6.0 * self.active_params + self.n_layers * self.attention_flops_per_token(seq_len)
+
+    def mfu(self, seq_len: int, tokens_per_sec_per_device: float, peak_flops: float) -> float:
+        """Model FLOPs utilisation: the share of a device's peak that this throughput's model FLOPs
+        are. The one formula of the trainer's reported MFU and the planner's predicted one."""
+        return tokens_per_sec_per_device * self.flops_per_token(seq_len) / peak_flops
+
+    @property
+    def output_flops_per_token(self) -> float:
+        """The output projection (a real matmul, unlike the embedding lookup)."""
+        return 6.0 * self.vocab_size * self.dim
+
+
+def decoder_stats(model, qk_norm: bool = False) -> ModelStats:
+    """ModelConfig -> ModelStats of models/decoder.py's Transformer."""
+    h, head_dim = model.dim, model.head_dim
+    q, kv = model.n_heads * head_dim, model.n_kv_heads * head_dim
+    moe = model.moe
+    n_experts = moe.n_experts
+    if n_experts > 0:
+        expert_ffn = moe.expert_ffn_dim or model.ffn_dim
+        moe_layers = tuple(i for i in range(model.n_layers) if is_moe_layer(model, i))
+        expert_params = 3 * h * expert_ffn
+        shared = moe.n_shared_experts * expert_params
+        router = h * n_experts
+        top_k = moe.top_k
+    else:
+        moe_layers, expert_params, shared, router, top_k = (), 0, 0, 0, 0
+    return ModelStats(
+        dim=h, n_layers=model.n_layers, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+        head_dim=head_dim, ffn_dim=model.ffn_dim, vocab_size=model.vocab_size,
+        tie_embeddings=model.tie_embeddings,
+        attention_params=2 * h * q + 2 * h * kv + (2 * head_dim if qk_norm else 0), norm_params=2 * h,
+        dense_mlp_params=3 * h * model.ffn_dim,
+        n_experts=n_experts, top_k=top_k, expert_params=expert_params,
+        shared_expert_params=shared, router_params=router, moe_layers=moe_layers, qk_norm=qk_norm,
+    )

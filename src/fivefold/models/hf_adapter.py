@@ -1,0 +1,82 @@
+"""A family's Hugging Face adapter: how its weights are named and laid out in transformers' files,
+and how its config.json reads and writes.
+
+Names are translated by tables of templates, so a family is rows, not code: `names` maps one
+Hugging Face tensor to one of ours (`{layer}` stands for a layer index); `experts` maps the
+per-expert tensors of a Hugging Face MoE layer (`{expert}` for the expert index) to one stacked
+(experts, out, in) tensor of ours. The file reader and writer (models/hf_stream.py) and `fivefold
+convert` use only these methods.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fivefold.config import ModelConfig
+
+# Tensors of ours with no Hugging Face counterpart: bias balancing's state (zeros in a fresh model).
+# A family whose Hugging Face class holds that state too (DeepSeek-V3's e_score_correction_bias)
+# maps it in its names and sets its adapter's `ours_only` to NOTHING.
+OURS_ONLY = re.compile(r".*\.router\.expert_bias$")
+NOTHING = re.compile(r"(?!)")
+
+# Tensors some checkpoints carry that are derived, not learned (older transformers saved these).
+IGNORED_HF = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+def _pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+    return re.compile(escaped.replace(re.escape("{expert}"), r"(?P<expert>\d+)") + "$")
+
+
+def _translate(name: str, table) -> str | None:
+    for pattern, target in table:
+        match = pattern.match(name)
+        if match:
+            return target.format(**match.groupdict())
+    return None
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    model_type: str  # config.json's model_type this family reads and writes
+    names: list[tuple[str, str]]  # (Hugging Face template, our template)
+    # config.json (a dict) -> ModelConfig; raises ConfigError("config.json ...") for what we cannot express
+    read_config: Callable[[dict], ModelConfig]
+    # (ModelConfig, torch dtype of the weights) -> config.json; raises ConfigError for what HF cannot express
+    write_config: Callable
+    experts: list[tuple[str, str]] = field(default_factory=list)  # (per-expert HF template, our stacked name)
+    ours_only: re.Pattern = OURS_ONLY  # our tensors that are neither read nor written (zeros when read)
+    # (HF tensor name, our config) -> whether a file's tensor is one transformers' class drops on
+    # load too (DeepSeek-V3's multi-token-prediction layers past the last layer), never an error.
+    dropped_by_hf: Callable[[str, ModelConfig], bool] = field(default=lambda name, cfg: False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_to_ours", [(_pattern(hf), ours) for hf, ours in self.names])
+        object.__setattr__(self, "_to_hf", [(_pattern(ours), hf) for hf, ours in self.names])
+        object.__setattr__(self, "_stacked_to_hf", [(_pattern(ours), hf) for hf, ours in self.experts])
+
+    def is_stacked(self, our_name: str) -> bool:
+        """Whether our tensor stacks one Hugging Face tensor per expert along dim 0."""
+        return any(pattern.match(our_name) for pattern, _ in self._stacked_to_hf)
+
+    def hf_name(self, our_name: str) -> str:
+        hf = _translate(our_name, self._to_hf)
+        if hf is None:
+            raise KeyError(f"no Hugging Face name for parameter {our_name} in the {self.model_type} adapter; "
+                           "add a row to its names")
+        return hf
+
+    def our_name(self, hf_name: str) -> str | None:
+        """Our parameter name for a Hugging Face tensor name, or None when the table has no row."""
+        return _translate(hf_name, self._to_ours)
+
+    def hf_sources(self, our_name: str, n_experts: int) -> list[str]:
+        """The Hugging Face tensors that make up one of ours: one name, or one per expert when stacked."""
+        for pattern, hf in self._stacked_to_hf:
+            match = pattern.match(our_name)
+            if match:
+                return [hf.format(expert=e, **match.groupdict()) for e in range(n_experts)]
+        return [self.hf_name(our_name)]

@@ -1,0 +1,135 @@
+"""A prepared folder (`fivefold prepare`), memory-mapped: token shards, document index, manifest.
+
+Opening one reads the manifest (a few kilobytes per thousand shards) and maps files; no token is
+read until a window asks for it, so a rank's memory and start-up time do not grow with the corpus.
+The held-out split takes whole documents spread over the corpus: the documents are cut into at most
+`HELD_OUT_BLOCKS` runs of consecutive documents and a fixed-seed choice of runs is held out, so the
+split is a function of the data and `val_fraction` only, and costs a few hundred index lookups.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fivefold.config import ConfigError
+
+MANIFEST = "manifest.json"
+DOCUMENTS = "documents.npy"
+FORMAT = "fivefold-tokens"
+HELD_OUT_BLOCKS = 1024
+HELD_OUT_SEED = 20261201  # fixed: the held-out documents must not move when train.seed does
+
+
+def is_prepared(folder: str) -> bool:
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def read_manifest(folder: str) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise ConfigError(f"'{folder}' is not a prepared folder (no {MANIFEST}); make one with "
+                          f"`fivefold prepare SRC --out {folder}`")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}); prepare the folder again") from None
+    if manifest.get("format") != FORMAT:
+        raise ConfigError(f"{path} is not a fivefold token manifest; prepare the folder again")
+    return manifest
+
+
+class TokenShards:
+    """The concatenated token stream of a prepared folder, read through memory maps."""
+
+    def __init__(self, folder: str):
+        self.folder = Path(folder)
+        self.manifest = read_manifest(folder)
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.files = [self.folder / s["file"] for s in self.manifest["shards"]]
+        sizes = np.array([s["tokens"] for s in self.manifest["shards"]], dtype=np.int64)
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes)])
+        self.num_tokens = int(self.shard_starts[-1])
+        self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
+        self._maps: dict[int, np.memmap] = {}
+        docs = self.folder / DOCUMENTS
+        self.document_starts = np.load(docs, mmap_mode="r") if self.manifest["documents"] else np.zeros(0, np.int64)
+
+    def _shard(self, i: int) -> np.ndarray:
+        if i not in self._maps:  # opened on first use: start-up cost independent of the shard count
+            self._maps[i] = np.memmap(self.files[i], dtype=self.dtype, mode="r")
+        return self._maps[i]
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start+length) of the stream, as int64 (may span shards)."""
+        out = np.empty(length, dtype=np.int64)
+        done = 0
+        shard = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
+        while done < length:
+            offset = start + done - int(self.shard_starts[shard])
+            piece = self._shard(shard)[offset: offset + length - done]
+            out[done: done + len(piece)] = piece
+            done += len(piece)
+            shard += 1
+        return out
+
+
+def held_out_ranges(shards: TokenShards, val_fraction: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(train, held-out) token ranges of the stream, cut at document starts."""
+    n_docs = len(shards.document_starts)
+    if val_fraction <= 0 or n_docs < 2:
+        return [(0, shards.num_tokens)], []
+    n_blocks = min(n_docs, HELD_OUT_BLOCKS)
+    n_val = min(n_blocks - 1, max(1, round(val_fraction * n_blocks)))
+    held = set(np.random.default_rng(HELD_OUT_SEED).permutation(n_blocks)[:n_val].tolist())
+    first_docs = [n_docs * b // n_blocks for b in range(n_blocks)]
+    edges = [0] + [int(shards.document_starts[d]) for d in first_docs[1:]] + [shards.num_tokens]
+    train, val = [], []
+    for block in range(n_blocks):
+        target = val if block in held else train
+        if target and target[-1][1] == edges[block]:
+            target[-1] = (target[-1][0], edges[block + 1])  # adjacent blocks: one range
+        else:
+            target.append((edges[block], edges[block + 1]))
+    return train, val
+
+
+class MappedSplit:
+    """Windows of seq_len+1 tokens over some token ranges of a prepared folder, joined end to end;
+    window i starts at i*seq_len of the joined stream (the same packing as the in-memory `Split`)."""
+
+    def __init__(self, shards: TokenShards, ranges: list[tuple[int, int]], seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        self.ranges = [(a, b) for a, b in ranges if b > a]
+        lengths = np.array([b - a for a, b in self.ranges], dtype=np.int64)
+        self.range_starts = np.concatenate([[0], np.cumsum(lengths)])
+        self.num_tokens = int(self.range_starts[-1])
+
+    @property
+    def num_windows(self) -> int:
+        return max(0, (self.num_tokens - 1) // self.seq_len)
+
+    def _read(self, start: int, length: int) -> np.ndarray:
+        parts, piece = [], int(np.searchsorted(self.range_starts, start, side="right")) - 1
+        while length > 0:
+            a, b = self.ranges[piece]
+            begin = a + start - int(self.range_starts[piece])
+            take = min(length, b - begin)
+            parts.append(self.shards.read(begin, take))
+            start, length, piece = start + take, length - take, piece + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def windows(self, indices):
+        """A (len(indices), seq_len+1) int64 torch tensor."""
+        import torch  # here, not at the top: prepare's worker processes use this module without torch
+
+        rows = [self._read(int(i) * self.seq_len, self.seq_len + 1) for i in np.asarray(indices).tolist()]
+        return torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, self.seq_len + 1, dtype=torch.int64)
+
+
+def prepared_splits(folder: str, seq_len: int, val_fraction: float) -> tuple[MappedSplit, MappedSplit]:
+    shards = TokenShards(folder)
+    train, val = held_out_ranges(shards, val_fraction)
+    return MappedSplit(shards, train, seq_len), MappedSplit(shards, val, seq_len)
