@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ["llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "deepseek-v3-style"]
+CONFIGS = ["llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "deepseek-v3-style", "deepseek-v3"]
 GB = 1e9
 
 
@@ -38,7 +38,7 @@ def planned_resident_bytes(config: str) -> int:
     from fivefold.config import load_config
     from fivefold.rank_build import planned_state_bytes
 
-    return planned_state_bytes(load_config(ROOT / "configs" / f"{config}.toml"), 0)["planned_resident_bytes"]
+    return planned_state_bytes(load_config(config), 0)["planned_resident_bytes"]
 
 
 def build_rows(configs: list[str]) -> list[dict]:
@@ -49,7 +49,7 @@ def build_rows(configs: list[str]) -> list[dict]:
             rows.append({"config": name, "skipped": f"rank 0 holds {need / GB:.1f} GB; this machine has "
                                                     f"{machine_memory_bytes() / GB:.1f} GB"})
             continue
-        done = run([sys.executable, "-m", "fivefold.cli", "layout", f"configs/{name}.toml", "--build",
+        done = run([sys.executable, "-m", "fivefold.cli", "layout", name, "--build",
                     "--rank", "0", "--json"])
         if done.returncode != 0:
             rows.append({"config": name, "failed": done.stderr.strip().splitlines()[-1]})

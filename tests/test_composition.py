@@ -24,6 +24,7 @@ TRAIN = {"micro_batch": 1}
 # at seed 5 (as there: seed 3 makes their step-4 gradient norm 300x more sensitive to summation order).
 QWEN3 = {"preset": "tiny-qwen3", "n_layers": 4}
 QWEN3_MOE = {"preset": "tiny-qwen3-moe", "n_layers": 4}
+DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_layers": 4, "n_kv_heads": 4}
 # With tp, AdamW's m/sqrt(v) amplifies row-parallel reassociation on weights whose gradients nearly
 # cancel (tests/test_pipeline.py TP_WEIGHT_ATOL; measured ~6e-5 on 8 layers); the same here.
 TP_WEIGHT_ATOL = 1e-4
@@ -58,6 +59,7 @@ FULL = [
     layout(DENSE, dp=2, zero=3, tp=2, pp=2, schedule="interleaved_1f1b", cp=2, recompute="full"),
     layout(QWEN3, dp=2, zero=1, tp=2, pp=2, cp=2, method="ulysses", seed=5),
     layout(QWEN3_MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, seed=5),
+    layout(DEEPSEEK_V3, dp=2, zero=3, tp=2, pp=2, cp=2, method="allgather", ep=2),
 ]
 # Checked against the fp32 reference within 2% (bf16 keeps 8 mantissa bits) rather than 1e-5.
 BF16 = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, dtype="bf16")

@@ -13,9 +13,9 @@ import pytest
 from fivefold.cli import main
 from fivefold.config import ConfigError, load_config, parse_overrides, to_toml
 from fivefold.presets import PRESETS
+from fivefold.shipped_configs import CONFIG_DIR
 from fivefold.validate import validate
 
-REPO = Path(__file__).resolve().parent.parent
 MISSING = object()  # marks the case whose config path does not exist
 
 
@@ -102,7 +102,7 @@ BAD_INPUTS = [
     ("vocab-too-small-for-bytes", None, ["--model.vocab_size", "128"], None,
      ["model.vocab_size=128 is too small for the byte tokenizer", "at least 256"]),
     ("missing-config-file", MISSING, None, None,
-     ["does not exist", "pass a TOML file such as configs/tiny.toml"]),
+     ["does not exist", "pass a TOML file or the name of a shipped config: ", "tiny"]),
     ("invalid-toml", "[train\nsteps = 3\n", None, None,
      ["is not valid TOML"]),
 ]
@@ -245,7 +245,7 @@ def test_presets_include_llama3_sizes():
     assert {"tiny", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b"} <= set(PRESETS)
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
     validate(load_config(path))
 

@@ -1,4 +1,4 @@
-"""Every config in configs/ validates (what `fivefold config show` checks), passes the trainer's
+"""Every shipped config (src/fivefold/configs/) validates (what `fivefold config show` checks), passes the trainer's
 own refusals, and its layout's world size is the one its comment promises (`# gpus: N` for the
 real-model configs, whose [cluster] the planner reads too; `# ranks: N` for the local ones)."""
 
@@ -9,11 +9,12 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import load_config
+from fivefold.shipped_configs import CONFIG_DIR
 from fivefold.validate import check_supported, validate
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))
 REAL_MODELS = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "deepseek-v3-style",
-               "qwen3-8b", "qwen3-30b-a3b")
+               "qwen3-8b", "qwen3-30b-a3b", "deepseek-v3")
 
 
 def promised_world(path: Path) -> tuple[str, int]:

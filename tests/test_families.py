@@ -1,13 +1,17 @@
-"""Every dimension for the Qwen3 families, against the single-process run of the same family.
+"""Every dimension for the Qwen3 and DeepSeek-V3 families, against the single-process run of the
+same family.
 
 qwen3 (per-head q/k RMSNorm; head_dim 48 while dim/n_heads is 16, so the attention is wider than the
-stream; untied) and qwen3_moe (the same attention, 8 fine-grained experts, layer 0 dense by list)
-under dp2 at zero 0/1/3, tp2 with and without sequence parallelism (the q/k norms' gradients are
-partial sums over the heads of each tp rank), pp2 (1f1b and zbv), cp2 ring / all-gather / Ulysses,
-and ep2 for the MoE family — all in one group of 2 ranks. Then checkpoints reshard: a dp2·zero1 run
-saves at step 3, runs under tp2, pp2 and (MoE) ep2 resume from it and must continue with the
-uninterrupted run's losses. (Llama and Mixtral have these tests in the per-dimension modules; the
-16-rank dp2·tp2·pp2·cp2(·ep2) layout of each family is in test_composition.py.)
+stream; untied), qwen3_moe (the same attention, 8 fine-grained experts, layer 0 dense by list) and
+deepseek_v3 (Multi-head Latent Attention: low-rank q and kv, a RoPE key shared by the heads, V's head
+dim 16 against q/k's 24; 8 experts in 2 groups, a shared expert, bias balancing, routed scaling)
+under dp2 at zero 0/1/3, tp2 with and without sequence parallelism (the gradients of the q/k norms
+and of MLA's latent projections are partial sums over the heads of each tp rank), pp2 (1f1b and
+zbv), cp2 ring / all-gather / Ulysses, and ep2 for the MoE families, all in one group of 2 ranks.
+Then checkpoints reshard: a dp2·zero1 run saves at step 3, runs under tp2, pp2, zero 3 and (MoE)
+ep2 resume from it and must continue with the uninterrupted run's losses. (Llama and Mixtral have
+these tests in the per-dimension modules; the 16-rank dp2·tp2·pp2·cp2(·ep2) layout of each family
+is in test_composition.py.)
 """
 
 import pytest
@@ -18,7 +22,9 @@ from ranks import run_on_ranks
 FAMILIES = {
     "qwen3": {"preset": "tiny-qwen3", "n_layers": 4},
     "qwen3_moe": {"preset": "tiny-qwen3-moe", "n_layers": 4},
+    "deepseek_v3": {"preset": "tiny-deepseek-v3", "n_layers": 4, "n_kv_heads": 4},  # MLA: a key per head
 }
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 # Four micro-batches per dp2 rank: enough for every schedule at pp2. Seed 5: at the suite's usual
 # seed 3, tiny-qwen3 passes a point (step 4) where its gradient norm moves by 6e-5 under another
 # summation order alone (tests/layouts.py); the bounds would follow, but leave less to catch.
@@ -43,7 +49,7 @@ MOE_ONLY = {
 
 
 def layouts_of(family: str) -> dict[str, dict]:
-    dims = {**DIMENSIONS, **(MOE_ONLY if family == "qwen3_moe" else {})}
+    dims = {**DIMENSIONS, **(MOE_ONLY if family in MOE_FAMILIES else {})}
     return {name: {"model": FAMILIES[family], "parallel": parallel, "train": TRAIN} for name, parallel in dims.items()}
 
 
@@ -56,7 +62,7 @@ MOE_RESUMES = {"dp2 ep2": {"dp": 2, "ep": 2}}
 
 
 def resumes_of(family: str) -> dict[str, dict]:
-    return {**RESUMES, **(MOE_RESUMES if family == "qwen3_moe" else {})}
+    return {**RESUMES, **(MOE_RESUMES if family in MOE_FAMILIES else {})}
 
 
 RESHARD_CASES = [(family, name) for family in FAMILIES for name in resumes_of(family)]

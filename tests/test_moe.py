@@ -208,3 +208,131 @@ def test_stats_skip_evaluation_forwards():
     with torch.no_grad():
         layer(inputs())
     assert layer.take_stats().forwards == 0
+
+
+class SimulatedPieces:
+    """A cp rank's pieces in one process: `gather` hands back the per-chunk counts of the whole
+    sequence, counted directly here (not by the code under test), after checking that the rank's
+    own share of them is what it sent."""
+
+    def __init__(self, whole: torch.Tensor, n_experts: int, cp: int, rank: int):
+        batch, seq, k = whole.shape
+        self.n_chunks, self.chunks = 2 * cp, [rank, 2 * cp - 1 - rank]  # parallel/context.py's split
+        chunk = seq // self.n_chunks
+        self.counts = torch.zeros(self.n_chunks, batch, k, n_experts, dtype=torch.long)
+        for c in range(self.n_chunks):
+            for e in range(n_experts):
+                self.counts[c, :, :, e] = (whole[:, c * chunk:(c + 1) * chunk] == e).sum(1)
+        self.local = torch.cat([whole[:, c * chunk:(c + 1) * chunk] for c in self.chunks], 1)
+
+    def gather(self, local_counts: torch.Tensor) -> torch.Tensor:
+        assert torch.equal(local_counts, self.counts[self.chunks])
+        return self.counts
+
+
+def skewed_choices(batch=3, seq=24, k=2, n_experts=4, seed=0) -> torch.Tensor:
+    """k distinct experts per token, expert 0 popular, so capacity drops many assignments."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.tensor([0.55, 0.25, 0.12, 0.08]).expand(batch * seq, n_experts)
+    return torch.multinomial(probs, k, generator=gen).view(batch, seq, k)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("capacity", [12, 6])  # capacity factors 1.0 and 0.5 of seq 24, top-2, 4 experts
+def test_capacity_on_pieces_is_the_whole_sequence_decision(cp, capacity):
+    whole = skewed_choices()
+    want = capacity_keep(whole, 4, capacity)
+    chunk = whole.shape[1] // (2 * cp)
+    got = torch.zeros_like(want)
+    local_differs = False
+    for rank in range(cp):
+        pieces = SimulatedPieces(whole, 4, cp, rank)
+        keep = capacity_keep(pieces.local, 4, capacity, pieces)
+        for i, c in enumerate(pieces.chunks):
+            got[:, c * chunk:(c + 1) * chunk] = keep[:, i * chunk:(i + 1) * chunk]
+        # What a rank would decide alone (its pieces as a sequence, capacity scaled to them).
+        alone = capacity_keep(pieces.local, 4, math.ceil(capacity * 2 / (2 * cp)))
+        local_differs |= not torch.equal(alone, keep)
+    assert torch.equal(got, want)
+    assert (~want).sum() > 0 and local_differs  # drops happen, and rank-local priority would differ
+
+
+def test_moe_with_pieces_uses_the_whole_sequence_capacity():
+    """The layer on one rank's pieces (capacity from the whole length) computes what the whole
+    sequence computes at those positions."""
+    layer = make_moe(capacity_factor=0.5)
+    x = inputs(seq=16)
+    whole_out = layer(x)
+    _, indices, _ = layer.router(x.reshape(-1, DIM))
+    for rank in range(2):
+        pieces = SimulatedPieces(indices.view(3, 16, 2), 4, cp=2, rank=rank)
+        positions = torch.cat([torch.arange(c * 4, (c + 1) * 4) for c in pieces.chunks])
+        layer.sequence_pieces = pieces
+        torch.testing.assert_close(layer(x[:, positions]), whole_out[:, positions], atol=1e-6, rtol=0)
+    layer.sequence_pieces = None
+    layer.take_stats()
+    layer(x)
+    assert layer.take_stats().dropped > 0
+
+
+def test_ignored_expert_is_warned_once_and_layers_are_reported(monkeypatch, capsys, tmp_path):
+    """A tiny MoE run whose routers never choose expert 3 (a huge negative choice bias, set again
+    before every forward): rank 0 warns once per layer after log.dead_expert_steps idle steps;
+    the per-layer figures add up to the totals, in the records, metrics.jsonl and the TensorBoard tags."""
+    import json
+
+    from layouts import tiny_config
+
+    from fivefold.models.moe import Router
+    from fivefold.train.metrics import tensorboard_scalars
+    from fivefold.train.trainer import train
+
+    route = Router.forward
+
+    def ignoring_last_expert(self, tokens):
+        with torch.no_grad():
+            self.expert_bias[-1] = -1e9
+        return route(self, tokens)
+
+    monkeypatch.setattr(Router, "forward", ignoring_last_expert)
+    moe = {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias", "capacity_factor": 1.0}
+    result = train(tiny_config({"model": {"moe": moe}, "log": {"dead_expert_steps": 3, "dir": str(tmp_path)}}))
+    records = result.records
+    for index, block in result.parallel.model.layers.items():  # the bias after the last step's update
+        assert records[-1]["moe_layers"][index]["expert_bias"] == moe_layers(block)[0].router.expert_bias.tolist()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "received no tokens" in line]
+    assert len(warnings) == 2, warnings  # once per layer, though expert 3 stays idle for 6 steps
+    assert all("expert 3 " in w and "3 steps in a row (step 3)" in w for w in warnings)
+    assert {w.split(",")[0] for w in warnings} == {"warning: MoE layer 0", "warning: MoE layer 1"}
+
+    written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["moe_layers"] for r in written] == [r["moe_layers"] for r in records]
+    for record in records:
+        layers = record["moe_layers"]
+        assert set(layers) == {"0", "1"}
+        loads = [layers[l]["tokens_per_expert"] for l in ("0", "1")]
+        assert [a + b for a, b in zip(*loads)] == record["moe_tokens_per_expert"]
+        assert all(load[3] == 0 and sum(load) == 8 * 32 * 2 for load in loads)  # every assignment
+        assert sum(layers[l]["dropped_tokens"] for l in layers) == record["moe_dropped_tokens"] > 0
+        per_layer = [max(load) / (sum(load) / 4) for load in loads]
+        assert [layers[l]["imbalance"] for l in ("0", "1")] == pytest.approx(per_layer)
+        assert record["moe_imbalance"] == pytest.approx(max(per_layer))
+        assert all(layers[l]["expert_bias"][3] < -1e8 and len(layers[l]["expert_bias"]) == 4 for l in layers)
+        tags = tensorboard_scalars(record)
+        assert tags["moe/layer1/tokens/expert3"] == 0 and tags["moe/layer0/bias/expert3"] < -1e8
+        assert tags["moe/layer0/imbalance"] == layers["0"]["imbalance"]
+        assert tags["moe_dropped_tokens"] == record["moe_dropped_tokens"]
+
+
+def test_dead_expert_watch_counts_steps_in_a_row():
+    from fivefold.train.metrics import DeadExpertWatch
+
+    def record(step, tokens):
+        return {"step": step, "moe_layers": {"2": {"tokens_per_expert": tokens}}}
+
+    watch = DeadExpertWatch(2)
+    said = [watch.update(record(s, t)) for s, t in enumerate([[0, 5], [4, 0], [0, 0], [0, 0], [3, 0]], 1)]
+    # Expert 0 idle at step 1, busy at 2, idle from 3: said at 4; expert 1 idle from 2: said at 3, once.
+    assert [len(lines) for lines in said] == [0, 0, 1, 1, 0]
+    assert "layer 2, expert 1 " in said[2][0] and "layer 2, expert 0 " in said[3][0]
+    assert DeadExpertWatch(0).update(record(1, [0, 0])) == []  # off

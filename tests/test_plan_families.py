@@ -1,6 +1,7 @@
 """The planner's statistics for every model family (issue 17): parameter counts equal the built
 model's for every preset, the Qwen3 counts match their model cards, and MFU is one formula (active
-parameters) with one peak-FLOPs table for the planner and the trainer."""
+parameters) with one peak-FLOPs table for the planner and the trainer; (issue 18) a tp rank of
+latent attention holds its latent down-projections and norms whole, as the planner counts it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,23 @@ def test_planner_parameter_count_equals_the_built_model(preset):
     model = build_meta_model(cfg)  # meta device: shapes only, no memory
     built = sum(p.numel() for p in model.parameters())  # a tied matrix is one parameter, counted once
     assert model_stats(cfg).total_params == built, preset
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tp_rank_of_latent_attention_holds_what_the_planner_counts(tp):
+    # Built for real (one rank under a fake process group, `fivefold layout --build`); a planner that
+    # split the replicated latents over tp like the heads counts 37,376 bytes too few at tp2.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fivefold.cli", "layout", "tiny", "--model.preset",
+                           "tiny-deepseek-v3", "--parallel.tp", str(tp), "--build", "--rank", "0", "--json"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["param_bytes"] == report["planned_param_bytes"], report
 
 
 @pytest.mark.parametrize("preset, total, active, non_embedding", [

@@ -45,18 +45,18 @@ def test_a_rank_never_holds_more_than_its_share_plus_one_block(layout, rank):
 
 
 def test_the_70b_layout_builds_what_the_planner_predicts():
-    """configs/llama3-70b.toml's layout (tp4 x cp2 x pp8, ZeRO-1, 64 ranks) with Llama 3.2 1B's
+    """The shipped llama3-70b config's layout (tp4 x cp2 x pp8, ZeRO-1, 64 ranks) with Llama 3.2 1B's
     shape: every rank's held and planned state bytes agree (the full-size build is in
     benchmarks/startup.py: 46 s and 15.4 GB on this machine)."""
     for rank in (0, 63):
-        report = build("configs/llama3-70b.toml", "--model.preset", "llama3-1b", "--rank", str(rank))
+        report = build("llama3-70b", "--model.preset", "llama3-1b", "--rank", str(rank))
         assert report["world_size"] == 64
         for kind in ("param", "grad", "optimizer", "resident"):
             assert report[f"{kind}_bytes"] == report[f"planned_{kind}_bytes"], (rank, kind, report)
 
 
 def test_build_refuses_a_rank_outside_the_layout():
-    done = subprocess.run([sys.executable, "-m", "fivefold.cli", "layout", "configs/tiny.toml", "--build",
+    done = subprocess.run([sys.executable, "-m", "fivefold.cli", "layout", "tiny", "--build",
                            "--rank", "4"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "--rank 4 is not a rank of this layout: use 0 to 3" in done.stderr

@@ -3,16 +3,15 @@ holds the layers/experts its pipeline stage and ep position say, node crossings 
 bad input gets one sentence. That the map is what a run really does is checked inside the
 16-rank composition spawn (tests/test_composition.py)."""
 
-from pathlib import Path
-
 import pytest
 
 from fivefold.cli import main
 from fivefold.config import load_config
 from fivefold.mesh import ParallelDims
 from fivefold.rank_map import crosses_nodes, format_rank_map, rank_groups, rank_infos
+from fivefold.shipped_configs import CONFIG_DIR
 
-DEMO = str(Path(__file__).parent.parent / "configs" / "demo.toml")
+DEMO = str(CONFIG_DIR / "demo.toml")
 
 
 def demo(*overrides: str):
@@ -69,7 +68,7 @@ def test_layout_command(capsys):
 
 
 def test_layout_command_cuts_long_listings(capsys):
-    cfg = Path(__file__).parent.parent / "configs" / "llama3-405b.toml"
+    cfg = CONFIG_DIR / "llama3-405b.toml"
     assert main(["layout", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "... (512 ranks; --all prints every one)" in out and "(128 groups)" in out  # tp4 groups

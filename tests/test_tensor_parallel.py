@@ -1,4 +1,5 @@
-"""Tensor (+ sequence) parallelism alone and with data parallelism, against the single-process run."""
+"""Tensor (+ sequence) parallelism alone and with data parallelism, and HSDP (also with experts),
+against the single-process run."""
 
 import pytest
 
@@ -7,6 +8,7 @@ import torch
 from layouts import assert_same_run, reference, run_layouts, tiny_config
 from ranks import run_on_ranks
 
+MOE = {"moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias"}}
 TP2_LAYOUTS = [
     {"parallel": {"tp": 2, "sp": True}},
     {"parallel": {"tp": 2, "sp": False}},
@@ -21,6 +23,12 @@ FOUR_RANK_LAYOUTS = [
     {"parallel": {"dp": 4, "zero": 3, "dp_shard": 2}},
     {"parallel": {"dp": 4, "zero": 1, "dp_shard": 2}},
     {"parallel": {"dp": 4, "zero": 2, "dp_shard": 2}},
+    # HSDP with experts: dense weights sharded in pairs and replicated, experts sharded (ZeRO) over
+    # their whole expert-data-parallel group, replicas included.
+    {"parallel": {"dp": 4, "zero": 1, "dp_shard": 2, "ep": 2}, "model": MOE},
+    {"parallel": {"dp": 4, "zero": 2, "dp_shard": 2, "ep": 2}, "model": MOE},
+    {"parallel": {"dp": 4, "zero": 3, "dp_shard": 2, "ep": 2}, "model": MOE},
+    {"parallel": {"dp": 4, "zero": 3, "dp_shard": 2, "ep": 4}, "model": MOE},
 ]
 BF16 = {"parallel": {"dp": 2, "tp": 2, "zero": 1}, "train": {"dtype": "bf16"}}
 

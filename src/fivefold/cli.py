@@ -6,19 +6,81 @@ import argparse
 import json
 import sys
 
+from fivefold import cli_help
 from fivefold.config import ConfigError, load_config, to_toml, validate
 
-USAGE = """usage:
-  fivefold train [CONFIG] [--nproc N] [--max-restarts K] [--dry-run] [--section.key VALUE ...]
-  fivefold train [CONFIG] --nproc N --nnodes M --node-rank R --rdzv HOST:PORT [...]   (one per node)
-  fivefold config show [CONFIG] [--section.key VALUE ...]
-  fivefold layout [CONFIG] [--nproc N] [--all] [--section.key VALUE ...]   (rank map, no training)
-  fivefold layout CONFIG --build [--rank R] [--json]   (build rank R's real shard here; what it holds)
-  fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--layout "dp=8,tp=2,..."] [--json]
-  fivefold convert SRC DST   (fivefold checkpoint <-> Hugging Face folder, direction from SRC)
-  fivefold prepare SRC... --tokenizer byte|TOKENIZER.json --out DIR [--workers N] [--text-field text]
-  fivefold viz schedule --schedule 1f1b --pp 4 [--virtual 1] [--micro-batches 8] --out FILE.png
-"""
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one sentence (printed by main), not a usage dump."""
+
+    def error(self, message):
+        raise ConfigError(f"{self.prog}: {message}; see `{self.prog} --help`")
+
+
+def _parser(command: str, prog: str = "") -> _Parser:
+    summary, usage = cli_help.COMMANDS[command]
+    return _Parser(prog=prog or f"fivefold {command}", usage="\n" + usage, description=summary,
+                   add_help=False)
+
+
+def _train_parser() -> _Parser:
+    parser = _parser("train")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N", help="local ranks to start (default 1: this process)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="restart failed ranks up to K times, resuming from the latest checkpoint")
+    # More than one machine: one launcher per node, meeting at node 0's HOST:PORT (torch's c10d rendezvous).
+    parser.add_argument("--nnodes", type=int, default=1, metavar="M", help="launchers (nodes) in the job, one per node")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="this launcher's node, 0 to nnodes-1")
+    parser.add_argument("--rdzv", default="", metavar="HOST:PORT", help="node 0's address, where the launchers meet")
+    parser.add_argument("--rdzv-id", default="fivefold", metavar="ID", help="the job's rendezvous id")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the rank map only")
+    return parser
+
+
+def _layout_parser() -> _Parser:
+    parser = _parser("layout")
+    parser.add_argument("--nproc", type=int, default=0, metavar="N", help="ranks to check the layout for (default: dp*tp*pp*cp)")
+    parser.add_argument("--all", action="store_true", help="list every group and rank, not only the first few")
+    parser.add_argument("--build", action="store_true", help="build one rank's real shard here and report it")
+    parser.add_argument("--rank", type=int, default=0, metavar="R", help="the rank --build builds")
+    parser.add_argument("--json", action="store_true", help="--build's report as JSON")
+    return parser
+
+
+def _prepare_parser() -> _Parser:
+    parser = _parser("prepare")
+    parser.add_argument("sources", nargs="*", metavar="SRC", help="files, folders or globs of text/jsonl/parquet/Arrow")
+    parser.add_argument("--tokenizer", default="byte", metavar="TOKENIZER", help="byte, or a Hugging Face tokenizer.json")
+    parser.add_argument("--out", default="", metavar="DIR", help="the prepared folder to write (use it as data.source)")
+    parser.add_argument("--workers", type=int, default=0, metavar="N", help="tokenizing processes (default: one per core)")
+    parser.add_argument("--text-field", default="text", metavar="FIELD", help="the jsonl/parquet column holding the text")
+    return parser
+
+
+def _generate_parser() -> _Parser:
+    parser = _parser("generate")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a step_N folder or a checkpoint root")
+    parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    parser.add_argument("--tokens", type=int, default=200, metavar="N", help="new tokens to sample (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, metavar="T", help="softmax temperature; 0 = greedy (default 0.8)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampling (default 0)")
+    parser.add_argument("--tokenizer", default="", metavar="TOKENIZER", help="byte or a tokenizer.json (default: the run's data.tokenizer)")
+    return parser
+
+
+def _viz_parser() -> _Parser:
+    parser = _parser("viz", "fivefold viz schedule")
+    parser.add_argument("what", choices=["schedule"])
+    parser.add_argument("--schedule", default="1f1b", metavar="NAME", help="gpipe | 1f1b | interleaved_1f1b | zb | zbv | dualpipev")
+    parser.add_argument("--pp", type=int, default=4, metavar="N", help="pipeline ranks")
+    parser.add_argument("--virtual", type=int, default=1, metavar="V", help="stages per rank")
+    parser.add_argument("--micro-batches", type=int, default=8, metavar="N")
+    parser.add_argument("--out", required=True, metavar="FILE", help="the picture to write (.png)")
+    return parser
+
+
+# The options each command's --help lists (plan prints its own).
+PARSERS = {"train": _train_parser, "layout": _layout_parser, "prepare": _prepare_parser,
+           "generate": _generate_parser, "viz": _viz_parser}
 
 
 def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
@@ -29,15 +91,7 @@ def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(args: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="fivefold train", add_help=False)
-    parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--max-restarts", type=int, default=0)
-    # More than one machine: one launcher per node, meeting at node 0's HOST:PORT (torch's c10d rendezvous).
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--rdzv", default="")
-    parser.add_argument("--rdzv-id", default="fivefold")
-    parser.add_argument("--dry-run", action="store_true")  # validate and print the rank map only
+    parser = _train_parser()
     own, rest = parser.parse_known_args(args)
     config_path, overrides = _split_config(rest)
     from fivefold.train.launch import launch_local, launched_by_torchrun, worker
@@ -84,12 +138,7 @@ def cmd_train(args: list[str]) -> int:
 
 def cmd_layout(args: list[str]) -> int:
     """The rank map of a config, checked as a launch of --nproc ranks would be, without training."""
-    parser = argparse.ArgumentParser(prog="fivefold layout", add_help=False)
-    parser.add_argument("--nproc", type=int, default=0)  # 0: the config's own dp*tp*pp*cp
-    parser.add_argument("--all", action="store_true")
-    parser.add_argument("--build", action="store_true")  # build one rank's real shard here
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+    parser = _layout_parser()
     own, rest = parser.parse_known_args(args)
     config_path, overrides = _split_config(rest)
     cfg = load_config(config_path, overrides)
@@ -128,13 +177,7 @@ def cmd_plan(args: list[str]) -> int:
 
 
 def cmd_viz(args: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="fivefold viz schedule")
-    parser.add_argument("what", choices=["schedule"])
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--virtual", type=int, default=1)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--out", required=True)
+    parser = _viz_parser()
     a = parser.parse_args(args)
     # The same checks as a training config with this pipeline (one sentence on a bad combination).
     cfg = load_config(None, {"model": {"n_layers": max(a.pp * a.virtual, 1)},
@@ -162,12 +205,7 @@ def cmd_convert(args: list[str]) -> int:
 
 def cmd_prepare(args: list[str]) -> int:
     """Tokenize text/jsonl/parquet/Arrow files, folders or globs into a prepared folder (data.source)."""
-    parser = argparse.ArgumentParser(prog="fivefold prepare", add_help=False)
-    parser.add_argument("sources", nargs="*")
-    parser.add_argument("--tokenizer", default="byte")
-    parser.add_argument("--out", default="")
-    parser.add_argument("--workers", type=int, default=0)  # 0: one per core
-    parser.add_argument("--text-field", default="text")
+    parser = _prepare_parser()
     own, unknown = parser.parse_known_args(args)
     if unknown or not own.out or not own.sources:
         raise ConfigError("usage: fivefold prepare SRC... --tokenizer byte|TOKENIZER.json --out DIR "
@@ -182,15 +220,36 @@ def cmd_prepare(args: list[str]) -> int:
     return 0
 
 
+def cmd_generate(args: list[str]) -> int:
+    """A sample from a trained checkpoint: the prompt and its continuation."""
+    a = _generate_parser().parse_args(args)
+    from fivefold.generate import generate
+
+    text, _ = generate(a.checkpoint, a.prompt, a.tokens, a.temperature, a.seed, a.tokenizer)
+    print(text)
+    return 0
+
+
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "layout": cmd_layout, "config": cmd_config, "plan": cmd_plan, "viz": cmd_viz,
-            "convert": cmd_convert}
+            "convert": cmd_convert, "generate": cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if argv[:1] == ["--version"]:
+        print(f"fivefold {cli_help.version()}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        print(cli_help.main_help())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"error: unknown command '{argv[0]}'; the commands are {', '.join(cli_help.COMMANDS)} "
+              "(see `fivefold --help`)", file=sys.stderr)
+        return 2
+    if argv[0] != "plan" and {"-h", "--help"} & set(argv[1:]):  # the planner prints its own
+        parser = PARSERS.get(argv[0])
+        print(cli_help.command_help(argv[0], parser().format_help() if parser else ""))
+        return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as err:

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fivefold import shipped_configs
 from fivefold.presets import PRESETS
 
 
@@ -115,6 +116,12 @@ class ParallelConfig:
     backend: str = "auto"  # auto | nccl | gloo | cpu:gloo,cuda:nccl (auto: the last on CUDA, gloo on CPU)
     gpus_per_node: int = 8
 
+    def __post_init__(self):
+        # The V schedules run exactly two stages per rank: pp_virtual left at its default 1 means
+        # that (another explicit value is refused by fivefold.validate).
+        if self.pp > 1 and self.pp_schedule in ("zbv", "dualpipev") and self.pp_virtual == 1:
+            self.pp_virtual = 2
+
 
 @dataclass
 class TrainConfig:
@@ -180,6 +187,9 @@ class LogConfig:
     comm_every: int = 0
     tensorboard: bool = False
     progress: bool = True
+    # MoE: warn (once per expert) when an expert has received no tokens for this many steps in a
+    # row, a sign of router collapse; 0 = off.
+    dead_expert_steps: int = 100
 
 
 @dataclass
@@ -367,9 +377,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     """TOML file (optional) plus command-line overrides -> a resolved Config (not yet validated)."""
     raw: dict = {}
     if path is not None:
-        path = Path(path)
+        path = shipped_configs.resolve(path)  # or a shipped config by name: `tiny`, `demo`
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass a TOML file such as configs/tiny.toml")
+            raise ConfigError(f"config file {path} does not exist; pass a TOML file or the name of a "
+                              f"shipped config: {', '.join(shipped_configs.names())}")
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:

@@ -156,6 +156,10 @@ def _check_parallel(cfg: Config, world_size: int | None) -> None:
     order = [d.strip() for d in p.order.split(",")]
     _require(sorted(order) == sorted(DIMS), f"parallel.order='{p.order}' must name each of "
              f"{', '.join(DIMS)} once, outermost first (e.g. 'pp,dp,cp,tp')")
+    # dp and cp form one flattened mesh view (the ranks reducing gradients), which DeviceMesh can
+    # only take in mesh order.
+    _require(order.index("dp") < order.index("cp"), f"parallel.order='{p.order}' puts cp outside dp, "
+             "which the data-parallel mesh cannot flatten; put dp before cp (e.g. 'pp,dp,cp,tp')")
 
     if world_size is not None:
         product = p.dp * p.tp * p.pp * p.cp
@@ -208,6 +212,8 @@ def _check_pipeline(cfg: Config) -> None:
 
     p, m, t = cfg.parallel, cfg.model, cfg.train
     name, v = p.pp_schedule, p.pp_virtual
+    if p.pp == 1:
+        return  # no pipeline: its keys are ignored, and reported so (ignored_options)
     if name in SINGLE_STAGE_SCHEDULES:
         _require(v == 1, f"parallel.pp_schedule='{name}' runs one stage per rank, so parallel.pp_virtual "
                  f"must be 1, got {v}; use 'interleaved_1f1b' or 'zb' for virtual stages")
@@ -217,8 +223,6 @@ def _check_pipeline(cfg: Config) -> None:
     else:
         _require(v >= 2, f"parallel.pp_schedule='{name}' interleaves virtual stages: set "
                  f"parallel.pp_virtual >= 2 (got {v}), or use '1f1b'")
-    if p.pp == 1:
-        return
     n_stages = p.pp * v
     _require(n_stages <= m.n_layers, f"parallel.pp*pp_virtual = {n_stages} stages exceed model.n_layers="
              f"{m.n_layers}; every stage needs at least one layer")
@@ -306,6 +310,29 @@ def _check_checkpoint(cfg: Config) -> None:
     _require(cfg.train.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {cfg.train.max_bad_steps}")
 
 
+def ignored_options(p) -> dict[str, str]:
+    """Parallel keys set away from their default that do nothing for this layout: key -> why.
+    `p` is a ParallelConfig or a planner Layout (the same key names and defaults)."""
+    from fivefold.config import ParallelConfig
+
+    default = ParallelConfig()
+    rules = [("zero", p.dp * p.cp == 1, "dp*cp=1: nothing to shard"),
+             ("dp_shard", p.dp_shard == p.dp, "equal to parallel.dp: all of dp, the default"),
+             ("sp", p.tp == 1, "tp=1"),
+             ("pp_schedule", p.pp == 1, "pp=1"),
+             ("pp_virtual", p.pp == 1, "pp=1"),
+             ("pp_layers", p.pp == 1, "pp=1"),
+             ("cp_method", p.cp == 1, "cp=1")]
+    return {key: why for key, unused, why in rules if unused and getattr(p, key) != getattr(default, key)}
+
+
+def ignored_note(cfg: Config) -> str | None:
+    """One line naming the options this layout ignores (printed once before training), or None."""
+    ignored = ignored_options(cfg.parallel)
+    listed = ", ".join(f"parallel.{key}={getattr(cfg.parallel, key)!r} ({why})" for key, why in ignored.items())
+    return f"ignored for this layout: {listed}" if ignored else None
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Raise ConfigError on the first problem; return the config unchanged when it is sound."""
     _check_model(cfg)
@@ -333,12 +360,6 @@ def check_supported(cfg: Config) -> None:
         _require(p.dp * p.cp % p.ep == 0, f"parallel.ep={p.ep} must divide parallel.dp*cp={p.dp * p.cp} "
                  "for training (experts borrowing tensor-parallel ranks is not available yet); choose "
                  f"parallel.ep among {_divisors(p.dp * p.cp)}")
-        _require(not p.dp_shard or p.dp_shard == p.dp, "parallel.ep > 1 with HSDP (parallel.dp_shard < "
-                 "parallel.dp) is not available yet; set parallel.dp_shard=0 or parallel.ep=1")
-    if m.moe.n_experts > 0 and p.cp > 1:
-        # Capacity keeps a sequence's first tokens per expert; cp splits sequences across ranks.
-        _require(m.moe.capacity_factor == 0, "MoE with parallel.cp > 1 supports dropless routing only "
-                 "for now; set model.moe.capacity_factor=0, or parallel.cp=1")
 
 
 def check_backend(backend: str, cuda: bool) -> None:

@@ -38,11 +38,41 @@ class ModelStats:
     # Value head dim when it differs from head_dim (latent attention: head_dim is the q/k head dim);
     # 0 = head_dim.
     v_head_dim: int = 0
+    # Latent attention (MLA): the q and kv latent widths (0 = none; q_lora_rank 0 with kv_lora_rank
+    # > 0 is a direct q projection) and the RoPE channels of each q/k head (0 = all of head_dim).
+    # The down-projections d x (q_lora_rank + kv_lora_rank + rope) and the two latent norms run
+    # whole on every tp rank (models/deepseek_v3/spec.py): latent_params.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
 
     # ----- derived counts
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of the values (kv heads x the value head dim)."""
+        return self.n_kv_heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def o_dim(self) -> int:
+        """Width of the attention output (heads x the value head dim)."""
+        return self.n_heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rope_head_dim or self.head_dim
+
+    @property
+    def latent_params(self) -> int:
+        """Per layer: the attention parameters replicated over tp (MLA's latent down-projections
+        and norms); the rest of attention_params is split by heads."""
+        if not self.kv_lora_rank:
+            return 0
+        q = self.q_lora_rank
+        return self.dim * (q + self.kv_lora_rank + self.rope_dim) + q + self.kv_lora_rank
 
     @property
     def q_dim(self) -> int:

@@ -8,6 +8,9 @@ without touching the math here:
   *sequence* (GShard's "group" = one sequence), on the rank that holds the sequence, before any
   dispatch. A sequence never spans data-parallel ranks, micro-batches or pipeline stages, so every
   such layout makes the same decisions as the single process, without extra communication.
+  Context parallelism does split sequences: two hooks, set by parallel/context.py, make the
+  decisions those of the whole sequence (`sequence_sum` for the auxiliary loss, `sequence_pieces`
+  for capacity); unset (None), this file computes everything from the tokens it is given.
 
 The auxiliary loss reaches the gradients without being added to the model's output: an autograd
 function passes the layer's output through unchanged and, in backward, gives the auxiliary loss the
@@ -188,6 +191,7 @@ class MoE(nn.Module):
         self.shared = FeedForward(dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_grad_scale = 1.0  # set by the training loop: 1/micro-batches per step
         self.sequence_sum = None  # set when sequences are split over ranks (sequence_aux_loss)
+        self.sequence_pieces = None  # likewise, for capacity (capacity_keep)
         self.stats: list[RouterStats] = []  # one per forward since the last take_stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +199,9 @@ class MoE(nn.Module):
         k, n_experts = self.cfg.top_k, self.cfg.n_experts
         tokens = x.reshape(-1, dim)
         scores, indices, weights = self.router(tokens)
-        keep = capacity_keep(indices.view(batch, seq, k), n_experts, self.capacity(seq)).reshape(-1)
+        pieces = self.sequence_pieces
+        whole_seq = seq if pieces is None else seq * pieces.n_chunks // len(pieces.chunks)
+        keep = capacity_keep(indices.view(batch, seq, k), n_experts, self.capacity(whole_seq), pieces).reshape(-1)
         aux = (sequence_aux_loss(scores.view(batch, seq, -1), indices.view(batch, seq, k), self.cfg,
                                  self.sequence_sum)
                if self.cfg.balance == "aux_loss" else None)
@@ -250,19 +256,46 @@ class MoE(nn.Module):
         self.router.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
 
 
-def capacity_keep(indices: torch.Tensor, n_experts: int, capacity: int | None) -> torch.Tensor:
+def capacity_keep(indices: torch.Tensor, n_experts: int, capacity: int | None, pieces=None) -> torch.Tensor:
     """(batch, seq, k) chosen experts -> (batch, seq, k) bool, False for assignments dropped.
 
     Per sequence, each expert takes at most `capacity` assignments, first-choice assignments
-    before second choices (GShard), earlier positions first within a choice."""
+    before second choices (GShard), earlier positions first within a choice.
+
+    `pieces`, when given, says the `seq` positions are pieces of longer sequences whose other pieces
+    other ranks hold, and the decision is the one taken on the whole sequences (see `_pieces_keep`
+    for what it must provide); None: these are whole sequences."""
     if capacity is None:
         return torch.ones_like(indices, dtype=torch.bool)
+    if pieces is not None:
+        return _pieces_keep(indices, n_experts, capacity, pieces)
     batch, seq, k = indices.shape
     by_priority = indices.transpose(1, 2).reshape(batch, k * seq)  # slot-major, then position
     # Rank of each assignment among its expert's; (batch, k*seq, E) is small for a sequence.
     one_hot = F.one_hot(by_priority, n_experts)
     rank = (one_hot.cumsum(1) * one_hot).sum(-1) - 1
     return (rank < capacity).view(batch, k, seq).transpose(1, 2)
+
+
+def _pieces_keep(indices: torch.Tensor, n_experts: int, capacity: int, pieces) -> torch.Tensor:
+    """capacity_keep's whole-sequence decision, taken on pieces of the sequences.
+
+    The local `seq` positions are `len(pieces.chunks)` equal chunks laid end to end; chunk i is
+    chunk `pieces.chunks[i]` of the whole sequence's `pieces.n_chunks`. `pieces.gather(t)` takes a
+    (local chunks, ...) tensor from every holder and returns it (n_chunks, ...) by global chunk.
+    In the whole sequence, an assignment's rank among its expert's (slot-major, then position) is
+    (assignments of earlier slots, anywhere) + (same slot, earlier chunks) + (its rank inside its
+    own chunk): only the per-chunk counts travel, a few integers per expert."""
+    batch, seq, k = indices.shape
+    n_local = len(pieces.chunks)
+    one_hot = F.one_hot(indices.view(batch, n_local, seq // n_local, k), n_experts)  # (b, chunk, pos, k, E)
+    counts = pieces.gather(one_hot.sum(2).transpose(0, 1).contiguous())  # (n_chunks, b, k, E)
+    slot_totals = counts.sum(0)  # (b, k, E)
+    earlier_slots = slot_totals.cumsum(1) - slot_totals
+    earlier_chunks = (counts.cumsum(0) - counts)[pieces.chunks]  # (local chunks, b, k, E)
+    offset = (earlier_slots + earlier_chunks).transpose(0, 1).unsqueeze(2)  # (b, chunk, 1, k, E)
+    rank = ((one_hot.cumsum(2) - 1 + offset) * one_hot).sum(-1)
+    return (rank < capacity).view(batch, seq, k)
 
 
 def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, cfg: MoEConfig,

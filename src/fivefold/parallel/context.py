@@ -57,6 +57,28 @@ class SequenceSplit:
         return inputs[:, positions], labels[:, positions], positions.unsqueeze(0)
 
 
+class SequencePieces:
+    """What MoE capacity needs of a cp-split sequence (models/moe.py `_pieces_keep`): the global index
+    of each of this rank's chunks, how many chunks make the sequence, and a gather of per-chunk
+    counts from every cp rank."""
+
+    def __init__(self, group, cp_rank: int, cp: int):
+        self.group, self.cp = group, cp
+        self.chunks = list(chunks_of(cp_rank, cp))
+        self.n_chunks = 2 * cp
+
+    @torch.compiler.disable  # a collective inside a layer's forward: keep it out of graphs
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """(2, ...) for this rank's chunks -> (2·cp, ...) by global chunk. Counts: no autograd."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(local) for _ in range(self.cp)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        out = torch.empty((self.n_chunks, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        out[gathered_chunk_order(self.cp)] = torch.cat(parts)
+        return out
+
+
 class ContextParallelAttention(nn.Module):
     """Causal attention of this rank's queries against the whole (cp-split) sequence; q, k, v are
     (batch, heads, local_seq, head_dim) in the load-balanced layout, k/v possibly with fewer heads."""
@@ -82,16 +104,18 @@ class ContextParallelAttention(nn.Module):
 
 def apply_context_parallel(model: nn.Module, attention_core: str, cp_mesh, method: str) -> None:
     """Swap every block's attention core for the context-parallel one over `cp_mesh`, and let MoE
-    layers add their per-sequence routing statistics over the cp ranks (the auxiliary loss is
-    decided per whole sequence)."""
+    layers decide per whole sequence: the auxiliary loss adds its routing statistics over the cp
+    ranks, capacity ranks each assignment among its expert's in the whole sequence."""
     from torch.distributed.nn.functional import all_reduce
 
     from fivefold.models.moe import moe_layers
 
     group = cp_mesh.get_group()
+    pieces = SequencePieces(group, cp_mesh.get_local_rank(), cp_mesh.size())
     for block in model.layers.values():
         block.set_submodule(attention_core, ContextParallelAttention(group, method))
     for moe in moe_layers(model):
         # Differentiable: backward sums the gradient over the cp ranks too; with gradients then
         # averaged over dp·cp, each token's router gradient comes out as in one process.
         moe.sequence_sum = functools.partial(all_reduce, group=group)
+        moe.sequence_pieces = pieces

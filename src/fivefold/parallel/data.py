@@ -7,7 +7,7 @@
 HSDP (`dp_shard` < dp) shards inside groups of dp_shard ranks and replicates across groups.
 
 Every variant reduces the gradients of a step once, after its last micro-batch (zero 2 instead
-reduce-scatters each micro-batch, which is what keeps its gradients sharded).
+reduce-scatters each micro-batch, also under a pipeline, which is what keeps its gradients sharded).
 """
 
 from __future__ import annotations
@@ -60,13 +60,16 @@ class DataParallel:
         copies = copies_of_local_piece(param, self.norm_world) * self.extra_copies.get(id(param), 1)
         return copies // self.dims.ep if id(param) in self.expert_ids else copies
 
-    def reduction_buckets(self, padded_to, group, group_rank, expert_group, expert_rank) -> list[Bucket]:
+    def reduction_buckets(self, padded_to, group, group_rank, expert_group, expert_rank,
+                          params=None) -> list[Bucket]:
         """Buckets of dense parameters, reduced over `group`, and apart of expert parameters, reduced
         over the expert-data-parallel group. Every gradient is divided by all dp·cp ranks: an expert
         already summed the tokens of its whole ep group. Each bucket carries its group, its size,
-        this rank's place in it (None: not needed) and the gradient scale."""
-        dense = [p for p in self.params if id(p) not in self.expert_ids]
-        expert = [p for p in self.params if id(p) in self.expert_ids]
+        this rank's place in it (None: not needed) and the gradient scale. `params`: a subset of
+        this rank's parameters (default all)."""
+        params = self.params if params is None else params
+        dense = [p for p in params if id(p) not in self.expert_ids]
+        expert = [p for p in params if id(p) in self.expert_ids]
         buckets = []
         for params, grp, rank in ((dense, group, group_rank), (expert, expert_group, expert_rank)):
             if not params:
@@ -88,6 +91,10 @@ class DataParallel:
 
     def begin_micro_batch(self, is_last: bool) -> None:
         pass
+
+    def sum_tied(self, pipeline, group) -> None:
+        """Sum the gradients of a pipeline's tied embedding copies (`group`: the ranks holding them)."""
+        pipeline.sum_tied_grads(group)
 
     def end_micro_batch(self) -> None:
         pass
@@ -183,7 +190,8 @@ class ReplicatedDataParallel(DataParallel):
         self._handles, self._next_bucket, self._syncing = [], 0, False
 
 
-def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: Config) -> DataParallel:
+def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: Config,
+                        pipeline=None) -> DataParallel:
     if dims.dp * dims.cp == 1:
         return DataParallel(parts, dims)
     zero = cfg.parallel.zero
@@ -193,7 +201,7 @@ def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: C
     if zero in (1, 2):
         from fivefold.parallel.zero import ShardedOptimizerDataParallel
 
-        return ShardedOptimizerDataParallel(parts, dims, mesh, shard_grads=zero == 2)
+        return ShardedOptimizerDataParallel(parts, dims, mesh, shard_grads=zero == 2, pipeline=pipeline)
     from fivefold.parallel.fsdp import FullyShardedDataParallel
     from fivefold.plan.layout import SPLIT_BACKWARD_SCHEDULES
 

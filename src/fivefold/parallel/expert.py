@@ -111,10 +111,14 @@ def gather_experts(name: str, tensor: torch.Tensor, ep_mesh) -> torch.Tensor:
 def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device: torch.device) -> dict:
     """After a step: the load each MoE layer saw over the whole global batch (its `n_micro`
     micro-batches here, summed over dp·cp), the bias update of bias balancing from it, and the
-    router metrics. Same in every layout."""
-    layers = [m for part in parts for m in moe_layers(part)]
-    if not layers:
+    router metrics: totals over the layers (`moe_tokens_per_expert`, `moe_imbalance` = the worst
+    layer's max/mean, `moe_dropped_tokens`, `aux_loss`) and `moe_layers`, the same per layer by
+    its index in the model (with the choice bias under bias balancing). Same in every layout;
+    under pipeline parallelism a rank reports the layers of its own stages."""
+    named = [(index, moe) for part in parts for index, block in part.layers.items() for moe in moe_layers(block)]
+    if not named:
         return {}
+    layers = [moe for _, moe in named]
     stats = [m.take_stats(last=n_micro) for m in layers]
     n_experts = layers[0].cfg.n_experts
     loads = [s.load.double().cpu() if s.load is not None else torch.zeros(n_experts, dtype=torch.float64)
@@ -129,12 +133,17 @@ def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device
     n = len(layers)
     load = packed[:n * n_experts].view(n, n_experts)
     dropped, aux_sum = packed[n * n_experts: n * n_experts + n], packed[n * n_experts + n:]
-    for layer, layer_load in zip(layers, load):
+    imbalance = load.max(1).values / load.mean(1).clamp(min=1e-9)
+    per_layer = {}
+    for (index, layer), layer_load, layer_imbalance, layer_dropped in zip(named, load, imbalance, dropped):
+        per_layer[index] = {"tokens_per_expert": [int(x) for x in layer_load.tolist()],
+                            "imbalance": layer_imbalance.item(), "dropped_tokens": int(layer_dropped.item())}
         if layer.cfg.balance == "bias":
             layer.update_bias(layer_load)
-    imbalance = (load.max(1).values / load.mean(1).clamp(min=1e-9)).max().item()
+            per_layer[index]["expert_bias"] = layer.router.expert_bias.tolist()  # after this step's update
     metrics = {"moe_tokens_per_expert": [int(x) for x in load.sum(0).tolist()],
-               "moe_imbalance": imbalance, "moe_dropped_tokens": int(dropped.sum().item())}
+               "moe_imbalance": imbalance.max().item(), "moe_dropped_tokens": int(dropped.sum().item()),
+               "moe_layers": per_layer}
     if layers[0].cfg.balance == "aux_loss":
         metrics["aux_loss"] = aux_sum.sum().item() / ranks
     return metrics

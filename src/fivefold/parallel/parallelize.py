@@ -107,7 +107,7 @@ class Parallelized:
 
     def finish_grads(self) -> None:
         if self.pipeline is not None:
-            self.pipeline.sum_tied_grads(self._tied_group)
+            self.data_parallel.sum_tied(self.pipeline, self._tied_group)
         self.data_parallel.finish_grads()
 
     def eval_loss(self, windows: torch.Tensor, autocast) -> float:
@@ -227,7 +227,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
     fsdp = cfg.parallel.zero == 3 and dims.dp * dims.cp > 1
     if not fsdp:
         materialize(parts, device, fill, ep_mesh)
-    data_parallel = build_data_parallel(parts, dims, mesh, cfg)
+    data_parallel = build_data_parallel(parts, dims, mesh, cfg, pipeline)
     if fsdp:
         materialize(parts, device, fill, ep_mesh)
     tied_group = None

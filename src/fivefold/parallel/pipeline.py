@@ -82,6 +82,9 @@ class Pipeline:
         self.has_first, self.has_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
         self.busy_s = 0.0
         self.n_micro = 0
+        # ZeRO-2 sets this: called with a part's index each time a backward action has completed
+        # that part's weight gradients of one micro-batch (parallel/zero.py reduce-scatters them).
+        self.on_weight_grads = None
 
     def tied_copies(self) -> list[nn.Parameter]:
         """This rank's copies of the tied embedding matrix: the first stage's embedding and the
@@ -106,8 +109,11 @@ class Pipeline:
         self.n_micro = micro_batches(cfg)
         stages = [PipelineStage(part, s, self.n_stages, self.device, group=self.pp_group)
                   for part, s in zip(self.parts, self.stage_ids)]
-        for stage in stages:
+        self.stages = stages
+        for index, stage in enumerate(stages):
             self._time_compute(stage)
+            if self.on_weight_grads is not None:
+                self._report_weight_grads(stage, index)
         cls = SCHEDULES[self.schedule_name]
         target = stages[0] if self.schedule_name in SINGLE_STAGE_SCHEDULES else stages
         # Each micro-batch's loss is divided by their number before its backward, exactly as in
@@ -132,6 +138,23 @@ class Pipeline:
                 finally:
                     self.busy_s += time.perf_counter() - start
             setattr(stage, name, timed)
+
+    def _report_weight_grads(self, stage, index: int) -> None:
+        """Call on_weight_grads(index) after every action that leaves a micro-batch's weight
+        gradients complete: a full backward, or a split backward's later weight pass (the input
+        pass alone computes no weight gradient)."""
+        backward, weight = stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def backward_one_chunk(*args, **kwargs):
+            backward(*args, **kwargs)
+            if kwargs.get("full_backward", args[2] if len(args) > 2 else True):
+                self.on_weight_grads(index)
+
+        def backward_weight_one_chunk(*args, **kwargs):
+            weight(*args, **kwargs)
+            self.on_weight_grads(index)
+
+        stage.backward_one_chunk, stage.backward_weight_one_chunk = backward_one_chunk, backward_weight_one_chunk
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One step of the schedule; returns the step loss (sum of the scaled micro-batch losses) on every pp rank."""

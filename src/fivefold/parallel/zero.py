@@ -10,6 +10,11 @@ cuts through a tensor gets exactly the update the whole tensor would.
 - zero 1: gradients stay whole in `param.grad` over the micro-batches and are reduced once.
 - zero 2: each micro-batch's gradients are reduce-scattered as soon as a bucket is complete and
   accumulated into the chunk; whole gradients never outlive their bucket.
+  Under a pipeline the schedule runs the backward, not grad_sync: each stage's buckets are
+  reduce-scattered after every action that completes a micro-batch's weight gradients of that
+  stage (Pipeline.on_weight_grads), so there too whole gradients never outlive one micro-batch.
+  Buckets then hold one stage's parameters each, and a tied embedding copy a bucket of its own:
+  its chunk is the same slice of the matrix on every stage, so the copies' chunk gradients add.
 HSDP: chunks are owned within a dp_shard group; groups then all-reduce their chunk gradients.
 """
 
@@ -19,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.parallel.data import DataParallel
+from fivefold.parallel.data import DataParallel, trainable
 from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 from fivefold.parallel.grad_norm import (clip_coefficient, global_norm,
                                          settle_grad_layout, weighted_square_sum)
@@ -30,7 +35,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class ShardedOptimizerDataParallel(DataParallel):
-    def __init__(self, parts, dims, mesh, shard_grads: bool):
+    def __init__(self, parts, dims, mesh, shard_grads: bool, pipeline=None):
         super().__init__(parts, dims)
         self.name = (f"zero {2 if shard_grads else 1}: optimizer state{' and gradients' if shard_grads else ''} "
                      f"sharded over {dims.dp_shard * dims.cp} ranks" + (f", replicated x{dims.dp_replicate}" if dims.dp_replicate > 1 else ""))
@@ -41,9 +46,25 @@ class ShardedOptimizerDataParallel(DataParallel):
         self.n_shards, self.shard_rank = dims.dp_shard * dims.cp, mesh["dp_shard_cp"].get_local_rank()
         # Expert parameters are sharded over the ranks holding the same experts (parallel/expert.py).
         expert_mesh = mesh["edp"] if dims.ep > 1 else None
-        self.buckets = self.reduction_buckets(
-            None, self.shard_group, self.shard_rank, expert_mesh and expert_mesh.get_group(),
-            expert_mesh and expert_mesh.get_local_rank())
+        groups = (self.shard_group, self.shard_rank, expert_mesh and expert_mesh.get_group(),
+                  expert_mesh and expert_mesh.get_local_rank())
+        self.per_stage = shard_grads and pipeline is not None
+        self.tied = pipeline.tied_copies() if self.per_stage else []
+        if self.per_stage:
+            self.buckets, self._stage_buckets, seen = [], [], set()
+            tied_ids = {id(t) for t in self.tied}
+            for part in parts:  # a stage's buckets, then each tied copy of it alone
+                own = [p for p in trainable([part]) if id(p) not in seen]
+                seen.update(id(p) for p in own)
+                first = len(self.buckets)
+                rest = [p for p in own if id(p) not in tied_ids]
+                for params in [rest] + [[p] for p in own if id(p) in tied_ids]:
+                    if params:
+                        self.buckets += self.reduction_buckets(None, *groups, params=params)
+                self._stage_buckets.append(range(first, len(self.buckets)))
+            pipeline.on_weight_grads = self.reduce_stage
+        else:
+            self.buckets = self.reduction_buckets(None, *groups)
         self.chunks = [nn.Parameter(b.pack_chunk()) for b in self.buckets]
         self._segments = None  # built at the first clip: extra_copies may be set after construction
         self._syncing, self._next_bucket, self._pending = False, 0, []
@@ -72,23 +93,53 @@ class ShardedOptimizerDataParallel(DataParallel):
                 self._launch_ready_buckets()
         return hook
 
+    def _launch(self, index: int) -> None:
+        bucket, chunk = self.buckets[index], self.chunks[index]
+        bucket.pack_grads(scale=bucket.scale)
+        for param in bucket.params:
+            param.grad = None  # the bucket holds these gradients now
+        if reduce_scatter_via_all_to_all(bucket.group):
+            # Every rank's copy of this rank's chunk, summed when it arrives; the receive
+            # buffer is a whole bucket for as long as the collective is in flight.
+            received = torch.empty_like(bucket.buffer)
+            handle = dist.all_to_all_single(received, bucket.buffer, group=bucket.group, async_op=True)
+        else:
+            received = torch.empty_like(chunk)
+            handle = _reduce_scatter(received, bucket.buffer, group=bucket.group, async_op=True)
+        self._pending.append((index, received, handle))
+
     def _launch_ready_buckets(self) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].all_ready:
-            index = self._next_bucket
-            bucket, chunk = self.buckets[index], self.chunks[index]
-            bucket.pack_grads(scale=bucket.scale)
-            for param in bucket.params:
-                param.grad = None  # the bucket holds these gradients now
-            if reduce_scatter_via_all_to_all(bucket.group):
-                # Every rank's copy of this rank's chunk, summed when it arrives; the receive
-                # buffer is a whole bucket for as long as the collective is in flight.
-                received = torch.empty_like(bucket.buffer)
-                handle = dist.all_to_all_single(received, bucket.buffer, group=bucket.group, async_op=True)
-            else:
-                received = torch.empty_like(chunk)
-                handle = _reduce_scatter(received, bucket.buffer, group=bucket.group, async_op=True)
-            self._pending.append((index, received, handle))
+            self._launch(self._next_bucket)
             self._next_bucket += 1
+
+    def reduce_stage(self, stage: int) -> None:
+        """ZeRO-2 under a pipeline: this micro-batch's gradients of pipeline part `stage` into the
+        chunks. Every dp peer runs the same schedule, so the collectives meet in the same order.
+        Waiting at once keeps one stage's whole gradients alive, never more (no overlap with the
+        next action: simpler, and the pipeline's own sends already overlap with compute)."""
+        for index in self._stage_buckets[stage]:
+            for param in self.buckets[index].params:
+                settle_grad_layout(param)  # e.g. a sequence-parallel norm weight's tp partials
+            self._launch(index)
+        self._complete_pending()
+        self._reduced_in_micro_batches = True
+
+    def sum_tied(self, pipeline, group) -> None:
+        if not self.per_stage:
+            return super().sum_tied(pipeline, group)
+        # The copies' gradients are already chunks; a copy's bucket holds it alone, so this rank's
+        # chunk is the same slice of the matrix on every stage holding a copy.
+        chunks = [self.chunks[i] for i, b in enumerate(self.buckets)
+                  if len(b.params) == 1 and any(b.params[0] is t for t in self.tied)]
+        grads = [c.grad for c in chunks if c.grad is not None]
+        if not grads:
+            return
+        total = torch.stack(grads).sum(0)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        for grad in grads:
+            grad.copy_(total)
 
     def _complete_pending(self) -> None:
         for index, received, handle in self._pending:
@@ -125,10 +176,16 @@ class ShardedOptimizerDataParallel(DataParallel):
     def finish_grads(self) -> None:
         if not self._reduced_in_micro_batches:  # zero 2 reduces each micro-batch as it ends
             self._flush()
+        elif self.per_stage and any(p.grad is not None for p in self.params):
+            raise RuntimeError("zero 2 under a pipeline: a gradient arrived outside the stages' "
+                               "backward actions and would be lost")
         self._reduced_in_micro_batches = False
         if self.replicate_group is not None:
-            for chunk in self.chunks:
-                dist.all_reduce(chunk.grad, group=self.replicate_group)
+            # HSDP: dense chunks are owned within a dp_shard group, so the replicas add theirs up;
+            # expert chunks are owned across the whole expert-data-parallel group, replicas included.
+            for bucket, chunk in zip(self.buckets, self.chunks):
+                if bucket.group is self.shard_group:
+                    dist.all_reduce(chunk.grad, group=self.replicate_group)
         self._syncing = False
 
     def clip_grad_norm(self, max_norm: float) -> float:

@@ -100,23 +100,24 @@ def tp_bytes_per_collective(layout: Layout, tokens: float, dim: int, nbytes: int
     return 0.0 if t == 1 else tokens * dim * (t - 1) / t * nbytes
 
 
-def cp_bytes_per_layer(layout: Layout, tokens_local: float, q_dim: int, kv_dim: int,
-                       act_bytes: int) -> float:
+def cp_bytes_per_layer(layout: Layout, tokens_local: float, q_dim: int, k_dim: int, v_dim: int,
+                       o_dim: int, act_bytes: int) -> float:
     """Bytes one rank sends for one attention of one micro-batch (forward + backward).
     ring: K,V go round the ring in forward (c-1 hops); in backward K,V again (c-1) and dK,dV,
     which must also come home to their owner (c hops): 3c-2 hops of the local K,V.
     allgather: gather K,V in forward, again in backward, reduce-scatter dK,dV.
-    ulysses: all-to-all of q, k, v and the output, forward and backward (q and the output are
-    heads x head_dim wide, which need not be the model's dim)."""
+    ulysses: all-to-all of q, k, v and the output, forward and backward.
+    Widths are heads x head dim, which need not be the model's dim; V and the output have the value
+    head dim (latent attention's differs from q/k's)."""
     c, t = layout.cp, layout.tp
     if c == 1:
         return 0.0
-    kv_local = 2 * tokens_local * kv_dim / t * act_bytes
+    kv_local = tokens_local * (k_dim + v_dim) / t * act_bytes
     if layout.cp_method == "ring":
         return (3 * c - 2) * kv_local
     if layout.cp_method == "allgather":
         return 3 * (c - 1) * kv_local
-    qkvo_local = tokens_local * (2 * q_dim + 2 * kv_dim) / t * act_bytes
+    qkvo_local = tokens_local * (q_dim + k_dim + v_dim + o_dim) / t * act_bytes
     return 2 * (c - 1) / c * qkvo_local
 
 

@@ -74,7 +74,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     compute = per_token * tokens_mb / achieved
     # Elementwise work (norms, residuals, RoPE, SwiGLU, casts, the loss) is bound by memory
     # bandwidth: a few passes over the activations each layer saves, and over the logits.
-    traffic = (rank_activation_elements(stats, prank, layout, seq, "none", hw.fused_attention)
+    traffic = (rank_activation_elements(stats, prank, layout, seq, "none", hw.fuses_attention(stats))
                * tokens_local * pr.act_bytes * runtime.elementwise_passes)
     if prank.has_output:
         traffic += 2 * tokens_local * stats.vocab_size / layout.tp * runtime.logits_bytes_per_element
@@ -95,7 +95,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     tp_t *= runtime.tp_exposed_fraction
 
     cp_b = n_layers * comm.cp_bytes_per_layer(layout, tokens_local, stats.q_dim, stats.kv_dim,
-                                              pr.act_bytes)
+                                              stats.v_dim, stats.o_dim, pr.act_bytes)
     cp_t = comm.collective_bytes_time(cp_b, links["cp"], hw)
     if layout.cp_method == "ring":
         cp_t = max(0.0, cp_t - attention)  # ring attention hides the passes behind its blocks
@@ -203,12 +203,19 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     optim_bytes = 2 * pr.optim_bytes + pr.grad_bytes + pr.accum_bytes + pr.param_bytes
     optim_time = local * optim_bytes / hw.hbm_bw + runtime.step_overhead_s
 
-    step = pipe_time + dp_visible + optim_time
+    # MLA's latent projections and norms run whole on every tp rank and their gradients are partial
+    # sums: one fp32 all-reduce over tp per step, before the data-parallel reduction (grad_norm.py).
+    latent = max(len(p.layers) for p in ranks) * stats.latent_params * pr.grad_bytes
+    latent_b = 2 * (layout.tp - 1) / layout.tp * latent
+    latent_t = comm.all_reduce_time(latent, links["tp"], hw)
+
+    step = pipe_time + dp_visible + optim_time + latent_t
     tok_s_gpu = workload.tokens_per_step / step / layout.world_size
     mfu = stats.mfu(workload.seq_len, tok_s_gpu, hw.peak_flops)
     parts = {k: m * v for k, v in worst.items()}
     parts.update({"bubble": slots * t_mb, "dp": dp_visible, "optimizer": optim_time})
-    comm_bytes = {"dp": dp_bytes, "tp": m * per_mb_bytes["tp"], "pp": m * per_mb_bytes["pp"],
+    parts["tp"] += latent_t
+    comm_bytes = {"dp": dp_bytes, "tp": m * per_mb_bytes["tp"] + latent_b, "pp": m * per_mb_bytes["pp"],
                   "cp": m * per_mb_bytes["cp"], "ep": m * per_mb_bytes["ep"]}
     memory = memory or worst_rank_memory(workload, layout, hw, runtime)
     return Estimate(layout=layout, memory=memory, memory_limit=hw.memory_bytes, step_time_s=step,

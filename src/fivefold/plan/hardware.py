@@ -35,6 +35,14 @@ class Hardware:
     # model size, i.e. latency-bound: 8 collectives x (t-1) steps x ~65 us.
     inter_latency_s: float = 65e-6
     fused_attention: bool = True  # FlashAttention-style kernel: no s^2 score matrix is stored
+    # ... also for a value head dim other than q/k's (MLA): CUDA's memory-efficient kernel takes
+    # one, the CPU flash kernel does not (SDPA then runs its math path).
+    fused_attention_distinct_v: bool = True
+
+    def fuses_attention(self, stats) -> bool:
+        """Whether this model's attention runs in a fused kernel on this device."""
+        distinct_v = stats.v_head_dim not in (0, stats.head_dim)
+        return self.fused_attention and (self.fused_attention_distinct_v or not distinct_v)
 
 
 # Dense tensor-core peaks per device, FLOP/s: (bf16, fp32 as TF32), datasheet values. The one
@@ -74,7 +82,8 @@ PROFILES: dict[str, Hardware] = {
     # One CPU process of a laptop run under gloo: for comparing with local runs, not for speed claims.
     "cpu": Hardware("cpu", peak_flops=0.1 * TB, memory_bytes=16 * GB, hbm_bw=20 * GB,
                     intra_bw=4 * GB, nic_bw=1 * GB, gpus_per_node=64, matmul_efficiency=0.5,
-                    intra_latency_s=100e-6, inter_latency_s=200e-6),  # CPU SDPA is a flash kernel too
+                    intra_latency_s=100e-6, inter_latency_s=200e-6,  # CPU SDPA is a flash kernel too,
+                    fused_attention_distinct_v=False),  # for equal q/k and v head dims only
 }
 
 

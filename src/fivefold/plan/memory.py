@@ -18,6 +18,14 @@ the queries and of the attention output (h unless head_dim is explicit, as in Qw
       reads, q/t x A (ring and Ulysses attention return it head-major)
   per-head q/k RMSNorm (Qwen3): its input and x·rstd, both fp32 (a bf16 input is upcast first and
       the copy kept), and rstd per head: (2(q + kv) x 4 + 4 (heads + kv heads))/t
+  latent attention (MLA, deepseek_v3; measured on tiny-deepseek-v3): q and k are heads x (nope +
+      rope) wide, v and the output heads x v_head_dim; the latent norms (q_lora_rank, kv_lora_rank)
+      run whole on every tp rank on the gathered sequence and keep, like the q/k norms, their fp32
+      input and x·rstd, rstd and their output in A; 'selective' keeps the latent down-projections'
+      outputs (kv's with the shared RoPE key) and q_b's and kv_b's instead of q, k, v. Where the
+      device has no fused kernel for the shape (CPU: v_head_dim != q/k's), SDPA's math path keeps
+      fp32 copies of q, k, v and the fp32 softmax (heads x every key), and ring attention's plain
+      path, under 'selective', its fp32 score tiles
   MLP: gate and up outputs, silu(gate), silu(gate)·up: 4f/t x A
   MoE instead (replicated over tp): the k dispatched copies of each token, their expert output and
       its weighted copy 3kh, each copy's SwiGLU 4kf (x A), shared experts' SwiGLU, the routing
@@ -80,9 +88,9 @@ class MemoryBreakdown:
 def layer_param_counts(stats: ModelStats, layout: Layout, layer: int) -> tuple[float, float]:
     """(dense, expert) parameters of one layer held by one rank. A MoE layer runs replicated over
     tp (parallel/expert.py): each tp rank holds the router, the shared experts and its ep share of
-    the routed experts whole."""
+    the routed experts whole; so does latent attention its down-projections and their norms."""
     t = layout.tp
-    dense = stats.attention_params / t + stats.norm_params
+    dense = (stats.attention_params - stats.latent_params) / t + stats.latent_params + stats.norm_params
     if not stats.is_moe(layer):
         return dense + stats.dense_mlp_params / t, 0.0
     dense += stats.router_params + stats.shared_expert_params
@@ -113,8 +121,9 @@ def root_params(stats: ModelStats, layout: Layout, prank: PipelineRank) -> float
 
 def expert_shard_degree(layout: Layout) -> int:
     """Ranks an expert's ZeRO-sharded state is split over: the data-parallel ranks that hold
-    the same experts (dp_shard x cp over ep; ep borrows from dp·cp only)."""
-    return max(1, layout.shard_degree // layout.ep)
+    the same experts, dp x cp over ep (ep borrows from dp·cp only) — under HSDP too: experts are
+    sharded across the replicas as well, not only inside a dp_shard group."""
+    return max(1, layout.dp * layout.cp // layout.ep)
 
 
 def sharded_params(layout: Layout, dense: float, experts: float) -> float:
@@ -188,7 +197,7 @@ def rank_activation_elements(stats: ModelStats, prank: PipelineRank, layout: Lay
 def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len: int, recompute: str,
                          precision, fused_attention: bool) -> float:
     """Bytes one of fivefold's blocks keeps per token of one micro-batch on one rank (docstring)."""
-    h, q, kv, t = stats.dim, stats.q_dim, stats.kv_dim, layout.tp
+    h, t = stats.dim, layout.tp
     s = t if (t > 1 and layout.sp) else 1
     S, A = precision.param_bytes, precision.act_bytes
     if recompute == "full":
@@ -203,22 +212,52 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
     else:
         mlp = 4 * stats.ffn_dim / t * A
         mlp_selective = (2 * stats.ffn_dim / t + h) * A  # gate and up outputs, the down projection's whole output
-    lse = stats.n_heads / t * 4  # fp32 logsumexp per head
-    if not fused_attention:
-        lse += stats.n_heads / t * seq_len / layout.cp * A  # the softmax over all keys
-    qkv, out = (q + 2 * kv) / t * A, q / t * A + lse  # q, k, v; the attention output and its lse
-    if recompute == "selective":
-        # It keeps every attention kernel's output: ring attention runs cp of them, and the last cp
-        # rank runs each over all its queries. + the output projection's whole output.
-        kernels = layout.cp if layout.cp_method == "ring" else 1
-        return h / s * S + qkv + kernels * out + h * A + mlp_selective
+    attention = fivefold_attention_bytes(stats, layout, seq_len, recompute, A, fused_attention)
+    if recompute == "selective":  # + the output projection's whole output
+        return h / s * S + attention + h * A + mlp_selective
     norms = 2 * (2 * h / s * S + 4 / s + h * A)  # + each output in A, as the matmuls read it
-    attention = qkv + out
-    if stats.qk_norm:  # the per-head norms' fp32 input and x·rstd, rstd per head
-        attention += (2 * (q + kv) * 4 + 4 * (stats.n_heads + stats.n_kv_heads)) / t
-    if layout.cp > 1:  # the output projection reads a contiguous copy of the head-major output
-        attention += q / t * A
     return norms + attention + mlp
+
+
+def fivefold_attention_bytes(stats: ModelStats, layout: Layout, seq_len: int, recompute: str, A: int,
+                             fused: bool) -> float:
+    """Bytes the attention sub-layer keeps per token ('none' or 'selective'; docstring), q/k/v/o
+    the rank's widths of the queries, keys, values and attention output."""
+    t, cp, ring = layout.tp, layout.cp, layout.cp_method == "ring"
+    q, k, v, o = stats.q_dim / t, stats.kv_dim / t, stats.v_dim / t, stats.o_dim / t
+    heads = stats.n_heads / t
+    # Unfused (no kernel for this shape on this device): SDPA's math path and ring attention's
+    # plain one (parallel/attention_blocks.py) compute in fp32 and hold fp32 scores of every key
+    # (Ulysses: all heads' share of the whole sequence); under ring each rank holds its own square
+    # block and half of each of the other cp-1 (the zigzag split).
+    math = not fused and not (ring and cp > 1)
+    scores = 4 * heads * (seq_len if not ring else seq_len / cp * (cp + 1) / 2)
+    kernel_out = o * A + 4 * heads  # the kernel's output and its fp32 logsumexp
+    latent = stats.q_lora_rank + stats.kv_lora_rank  # MLA's latents (whole over tp, all tokens)
+    if recompute == "selective":
+        # The matmuls' outputs: q, k, v, or MLA's latent projections (kv's with the shared RoPE key)
+        # and the head-split q and kv_b's (k's non-RoPE part and v); every attention kernel's
+        # output: ring attention runs cp of them, and the last cp rank runs each over all its queries.
+        projections = q + k + v
+        if stats.kv_lora_rank:
+            projections += latent + stats.rope_dim - stats.n_heads * stats.rope_dim / t
+        if math:
+            return projections * A + scores + 4 * o  # the fp32 scores and their product with v
+        kernels = cp if ring else 1
+        return projections * A + kernels * kernel_out + (0 if fused else scores)
+    if math:  # fp32 copies of q and k (scaled) and v, the softmax, no logsumexp
+        attention = 4 * (q + k + v) + scores
+    else:
+        attention = (q + k + v) * A + kernel_out
+    if stats.qk_norm:  # the per-head norms' fp32 input and x·rstd, rstd per head
+        attention += 2 * (q + k) * 4 + 4 * (stats.n_heads + stats.n_kv_heads) / t
+    if stats.kv_lora_rank:  # each latent norm: fp32 input and x·rstd, rstd, the output in A
+        attention += (8 + A) * latent + 4 * (2 if stats.q_lora_rank else 1)
+        if A == 4:  # no upcast copy: the kv norm's input is a view of kv_a's output, k_pe's too
+            attention += 4 * stats.rope_dim
+    if cp > 1 or math:  # the output projection reads a contiguous copy of the head-major output
+        attention += o * A
+    return attention
 
 
 def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recompute: str,
@@ -227,8 +266,8 @@ def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recom
     stats, seq = workload.stats, workload.seq_len
     if runtime.activation_recipe == "fivefold":
         return fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
-                                    hw.fused_attention)
-    return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fused_attention)
+                                    hw.fuses_attention(stats))
+    return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fuses_attention(stats))
             * workload.precision.act_bytes)
 
 
@@ -257,7 +296,7 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
     if runtime.activation_recipe == "fivefold" and prank.layers:
         # Each micro-batch's RoPE tables: fp32 cos and sin of its local positions (one per sequence
         # position, shared by the batch).
-        saved += in_flight * 2 * 4 * workload.seq_len / layout.cp * workload.stats.head_dim
+        saved += in_flight * 2 * 4 * workload.seq_len / layout.cp * workload.stats.rope_dim
     # The backward of one layer materialises gradients about as large as what that layer saved;
     # under full recomputation it first rebuilds that layer's activations as well.
     biggest = max((layer_activation_bytes(workload, layer, layout, "none", hw, runtime)

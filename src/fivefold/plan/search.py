@@ -20,7 +20,7 @@ from fivefold.plan.layout import Layout, config_with_layout
 from fivefold.plan.memory import worst_rank_memory
 from fivefold.plan.schedule import chunks_per_rank, parse_pp_layers
 from fivefold.plan.workload import Workload
-from fivefold.validate import validate
+from fivefold.validate import ignored_options, validate
 
 GB = 1e9
 RECOMPUTE_ORDER = ("none", "selective", "full")  # fastest first
@@ -126,6 +126,13 @@ def degree_choices(cfg: Config, workload: Workload, gpus: int, gpus_per_node: in
                     yield dp, tp, pp, cp, ep
 
 
+def without_ignored(layout: Layout) -> Layout:
+    """The layout with every option it does nothing with back at its default, so that twins
+    (e.g. dp1 z0 and dp1 z1) compare equal; the trainer reports the same options as ignored."""
+    defaults = Layout()
+    return dataclasses.replace(layout, **{k: getattr(defaults, k) for k in ignored_options(layout)})
+
+
 def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node: int):
     """Groups of layouts that differ only in ZeRO stage and recomputation."""
     for dp, tp, pp, cp, ep in degree_choices(cfg, workload, gpus, gpus_per_node):
@@ -137,7 +144,8 @@ def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node:
             for sched, virtual in schedules:
                 base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, pp_schedule=sched,
                               pp_virtual=virtual, sp=tp > 1, cp_method=cfg.parallel.cp_method)
-                zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
+                # One of each set of twins: ZeRO stages that change nothing (dp·cp = 1) are one layout.
+                zeros = sorted({without_ignored(dataclasses.replace(base, zero=z)).zero for z in (0, 1, 2, 3)})
                 yield [[dataclasses.replace(base, zero=z, recompute=r) for z in zeros]
                        for r in RECOMPUTE_ORDER]
 

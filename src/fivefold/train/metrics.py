@@ -66,9 +66,8 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tb.add_scalar(key, value, record["step"])
+            for tag, value in tensorboard_scalars(record).items():
+                self._tb.add_scalar(tag, value, record["step"])
         step = record["step"]
         if self.progress and (step % self.every == 0 or step == self.total_steps or step == 1):
             self.print_line(record)
@@ -94,3 +93,44 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def tensorboard_scalars(record: dict) -> dict[str, float]:
+    """A step record's TensorBoard scalars by tag: its top-level numbers, and the per-layer MoE
+    figures as `moe/layer{L}/{imbalance|dropped_tokens}` and `moe/layer{L}/{tokens|bias}/expert{e}`
+    (one chart per layer and figure, one line per expert)."""
+    out = {key: value for key, value in record.items() if isinstance(value, (int, float)) and key != "step"}
+    for layer, figures in record.get("moe_layers", {}).items():
+        out[f"moe/layer{layer}/imbalance"] = figures["imbalance"]
+        out[f"moe/layer{layer}/dropped_tokens"] = figures["dropped_tokens"]
+        for name, key in (("tokens", "tokens_per_expert"), ("bias", "expert_bias")):
+            for e, value in enumerate(figures.get(key, [])):
+                out[f"moe/layer{layer}/{name}/expert{e}"] = value
+    return out
+
+
+class DeadExpertWatch:
+    """Counts, per MoE layer and expert, the steps in a row in which the expert received no
+    tokens (from the step records' `moe_layers`), and says so once per expert when the count
+    reaches `steps` (log.dead_expert_steps; 0 = off): a collapsed router wastes the expert."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self._idle: dict[tuple[str, int], int] = {}
+        self._warned: set[tuple[str, int]] = set()
+
+    def update(self, record: dict) -> list[str]:
+        """The warnings this step's record raises (each expert at most once per run)."""
+        if self.steps <= 0:
+            return []
+        lines = []
+        for layer, figures in record.get("moe_layers", {}).items():
+            for e, tokens in enumerate(figures["tokens_per_expert"]):
+                key = (layer, e)
+                self._idle[key] = self._idle.get(key, 0) + 1 if tokens == 0 else 0
+                if self._idle[key] >= self.steps and key not in self._warned:
+                    self._warned.add(key)
+                    lines.append(f"MoE layer {layer}, expert {e} has received no tokens for {self._idle[key]} "
+                                 f"steps in a row (step {record['step']}): its router ignores it "
+                                 "(log.dead_expert_steps sets when this is said; 0 = never)")
+        return lines

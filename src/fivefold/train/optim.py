@@ -24,10 +24,29 @@ def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
 
     params = list(params)
     fused = True if params and params[0].device.type in ("cpu", "cuda") else None
+    if fused:
+        for param in params:
+            contiguous_for_fused(param)
     kinds = [[p for p in params if not isinstance(p, DTensor)], [p for p in params if isinstance(p, DTensor)]]
     groups = [{"params": kind} for kind in kinds if kind]
     return torch.optim.AdamW(groups or params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                              weight_decay=cfg.weight_decay, fused=fused)
+
+
+def contiguous_for_fused(param: torch.Tensor) -> None:
+    """PyTorch 2.13's fused CPU AdamW silently mis-updates a non-contiguous tensor (6e-2 off after
+    3 steps): give a plain parameter contiguous storage of its own (the optimizer updates that in
+    place, so nothing else may alias it anyway), and refuse a DTensor, whose local storage belongs
+    to its layout (FSDP2's flat shard, a tensor-parallel split) and cannot be swapped here."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        if not param.to_local().is_contiguous():
+            raise RuntimeError(f"a {tuple(param.shape)} DTensor parameter has a non-contiguous local "
+                               f"shard (strides {param.to_local().stride()}), which fused AdamW would "
+                               "mis-update; the layout that built it must give it contiguous storage")
+    elif not param.is_contiguous():
+        param.data = param.data.contiguous()
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:

@@ -23,11 +23,11 @@ from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
 from fivefold.train import checkpoint, faults
 from fivefold.train.data import load_training_data
-from fivefold.train.metrics import MetricsWriter, cuda_memory, peak_flops
+from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, cuda_memory, peak_flops
 from fivefold.train.mixture import GlobalBatches
 from fivefold.train.optim import adamw, lr_scheduler
 from fivefold.train.prefetch import BatchPrefetcher
-from fivefold.validate import check_supported, validate
+from fivefold.validate import check_supported, ignored_note, validate
 
 
 @dataclass
@@ -102,11 +102,14 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
                            cfg.log.progress)
     writer.note(par.describe())
+    if ignored_note(cfg):
+        writer.note(ignored_note(cfg))  # options this layout does nothing with, said once
     resume_from = checkpoint.resolve(cfg)
     if resume_from is not None:  # any saving layout: each rank reads the pieces its layout needs
         checkpoint.load(cfg, resume_from, par, optimizer, scheduler, sampler)
         writer.note(f"resumed from {resume_from}: continuing at step {sampler.step + 1}")
     bad_steps = 0  # non-finite steps in a row
+    dead_experts = DeadExpertWatch(cfg.log.dead_expert_steps)
     result = TrainResult(parallel=par)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
@@ -169,6 +172,9 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
                       f"skipped ({bad_steps} in a row)", file=sys.stderr, flush=True)
         else:
             bad_steps = 0
+            for line in dead_experts.update(record):  # a skipped step has no new router statistics
+                if rt.is_main:
+                    print(f"warning: {line}", file=sys.stderr, flush=True)
         result.records.append(record)
         writer.log(record)
         if bad_steps >= t.max_bad_steps:

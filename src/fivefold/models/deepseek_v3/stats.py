@@ -29,4 +29,5 @@ def attention_params(cfg) -> int:
 def stats(cfg) -> ModelStats:
     # Keys and values are expanded per head (n_kv_heads = n_heads); head_dim is the q/k head dim.
     return dataclasses.replace(decoder_stats(cfg), attention_params=attention_params(cfg),
-                               v_head_dim=cfg.v_head_dim)
+                               v_head_dim=cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank,
+                               kv_lora_rank=cfg.kv_lora_rank, rope_head_dim=cfg.qk_rope_head_dim)
