@@ -161,6 +161,7 @@ def test_files_and_keep_last(two, root):
 def test_keep_last_k_and_stale_tmp_removed(tmp_path):
     cfg = tiny_config({"train": {"steps": 4}, "checkpoint": {"dir": str(tmp_path), "every": 1, "keep": 2}})
     (tmp_path / ".tmp-step_00000009-dead").mkdir(parents=True)  # a save killed half-way
+    (tmp_path / ".tmp-step_00000009-dead" / checkpoint.MARKER).write_text("")  # ... that fivefold began
     from fivefold.train.trainer import train
 
     train(cfg)
@@ -209,10 +210,15 @@ def test_missing_file_is_partial(saved, tmp_path):
         _resume(bad)
 
 
-def test_shape_mismatch_names_the_tensor(saved):
+def test_shape_mismatch_names_the_tensor(saved, tmp_path):
+    # state.json claims dim=96 (else the model-key check refuses first): the tensors' shapes still do not fit.
+    bad = _copy(saved, tmp_path)
+    state = json.loads((bad / "state.json").read_text())
+    state["model"].update(dim=96, head_dim=24)
+    (bad / "state.json").write_text(json.dumps(state))
     with pytest.raises(ConfigError, match=r"tensor 'tok_embeddings.weight' has shape \[256, 64\] but this "
                                           r"model expects \[256, 96\]"):
-        _resume(saved, dim=96)
+        _resume(bad, dim=96)
 
 
 def test_not_a_checkpoint(tmp_path):

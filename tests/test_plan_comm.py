@@ -15,6 +15,8 @@ from ranks import run_on_ranks
 MOE = {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}
 FOUR_LAYERS = {"n_layers": 4}
 QWEN3 = {"preset": "tiny-qwen3"}  # its family and head_dim; the shape stays tiny_config's
+# Multi-head Latent Attention: K and V of other head dims than Q's, a key per head.
+DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_kv_heads": 4}
 TWO_RANKS = {
     "tp2": {"parallel": {"tp": 2}},
     "tp2 no-sp": {"parallel": {"tp": 2, "sp": False}},
@@ -34,6 +36,10 @@ TWO_RANKS = {
     # the output at that width, tp the hidden states at dim.
     "qwen3 cp2 ulysses": {"model": QWEN3, "parallel": {"cp": 2, "cp_method": "ulysses"}},
     "qwen3 tp2": {"model": QWEN3, "parallel": {"tp": 2}},
+    # MLA: cp moves K and V at their own widths; tp also sums the latent projections' gradients.
+    "deepseek tp2": {"model": DEEPSEEK_V3, "parallel": {"tp": 2}},
+    "deepseek cp2 ring": {"model": DEEPSEEK_V3, "parallel": {"cp": 2}},
+    "deepseek cp2 ulysses": {"model": DEEPSEEK_V3, "parallel": {"cp": 2, "cp_method": "ulysses"}},
 }
 FOUR_RANKS = {
     "cp4 ring": {"parallel": {"cp": 4}},

@@ -7,6 +7,7 @@ A checkpoint is a folder `step_NNNNNNNN/` under the checkpoint root:
                            'exp_avg/<name>', 'exp_avg_sq/<name>', 'rng/cpu/<rank>')
   state.json               step, optimizer step, data-sampler position, LR-schedule state, model config
   config.toml              the whole config that produced it (for people; not read back)
+  .fivefold-checkpoint     the marker: only folders holding it are ever deleted (pruning, cleanup)
 No rank ever holds a whole tensor it does not train with; any layout reads any checkpoint by
 asking for its own pieces (parallel/shards.py). Nothing is unpickled on load but DCP's metadata,
 through an allow-list of its own classes; tensors load with weights_only.
@@ -14,7 +15,8 @@ through an allow-list of its own classes; tensors load with weights_only.
 Atomicity: all ranks write into a hidden temporary folder; rank 0 adds state.json, renames the
 folder to `step_N` and only then rewrites `latest` (itself via a rename). A job killed at any
 moment leaves the previous checkpoint and a `latest` that names a complete one; leftovers of an
-interrupted save are removed at the next save. Checkpoint folders must be on a file system every
+interrupted save are removed at the next save. Only folders fivefold wrote (the MARKER file) are
+deleted: a foreign folder named like a checkpoint is left alone. Checkpoint folders must be on a file system every
 rank sees (as for any multi-node checkpointing).
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +40,14 @@ from fivefold.train.faults import restart_count
 FORMAT = 2  # 1: whole tensors in safetensors (session 1); 2: DCP shards
 LATEST = "latest"
 PREFIX = "step_"
+MARKER = ".fivefold-checkpoint"  # in every folder fivefold writes; nothing without it is deleted
+
+# [model] keys that change neither a tensor's shape nor the model's math are not compared on
+# resume: `preset` and `init_from` only say where the other keys came from, `max_seq_len` only
+# bounds train.seq_len, and the MoE balancing rates are training hyperparameters (like train.*:
+# the new value wins, with the warning).
+NOT_COMPARED = ("preset", "init_from", "max_seq_len")
+TRAINING_KEYS = ("moe.aux_loss_coeff", "moe.bias_update_rate")
 
 
 def checkpoint_root(cfg: Config) -> Path | None:
@@ -100,7 +111,11 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp-*"):  # an earlier save that was killed half-way
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove_ours(stale)
+        if tmp.exists():
+            raise _foreign(tmp)
+        tmp.mkdir()
+        (tmp / MARKER).write_text("written by fivefold; checkpoint folders without this file are never deleted\n")
     _barrier()  # nobody writes into the temporary folder before it is clean
     boxes = StateBoxes(par)
     tensors = {**boxes.model(), **boxes.optimizer(optimizer),
@@ -109,7 +124,7 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
     state = {"format": FORMAT, "step": step, "optimizer_step": optimizer_step(optimizer),
              "sampler": sampler.state_dict(),
              "scheduler": {k: sched[k] for k in ("last_epoch", "_step_count", "base_lrs", "_last_lr")},
-             "model": cfg.to_dict()["model"]}
+             "model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"]}
     if cfg.checkpoint.async_save:
         global _writer, _async_group
         if _async_group is None and dist.is_initialized():
@@ -158,6 +173,8 @@ def _write(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state
     (tmp / "config.toml").write_text(to_toml(cfg))
     _fsync_dir(tmp)
     if final.exists():  # the same step saved again after a restart
+        if not (final / MARKER).is_file():
+            raise _foreign(final)
         shutil.rmtree(final)
     os.rename(tmp, final)
     latest_tmp = root / f".tmp-{LATEST}"
@@ -167,23 +184,39 @@ def _write(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state
     _prune(root, cfg.checkpoint.keep, keep_name=final.name)
 
 
+def _foreign(path: Path) -> ConfigError:
+    return ConfigError(f"checkpoint folder {path} already exists and was not written by fivefold "
+                       f"(no {MARKER}); move it away or set another checkpoint.dir")
+
+
+def _remove_ours(path: Path) -> None:
+    """Delete a folder fivefold wrote (it holds the MARKER); anything else is left alone."""
+    if path.is_dir() and (path / MARKER).is_file():
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _prune(root: Path, keep: int, keep_name: str) -> None:
+    """Keep the last `keep` checkpoints fivefold wrote; foreign folders neither count nor go."""
     if keep <= 0:
         return
-    steps = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir())
+    steps = sorted(p for p in root.glob(f"{PREFIX}*") if (p / MARKER).is_file())
     for old in steps[:-keep]:
         if old.name != keep_name:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_ours(old)
 
 
 def resolve(cfg: Config) -> Path | None:
     """The checkpoint folder to resume from, or None for a fresh start.
 
-    resume='auto' (and any restart by --max-restarts) takes the latest under the checkpoint root
-    if there is one; a path names a checkpoint folder or a root with a `latest` marker."""
+    resume='auto' takes the latest under the checkpoint root if there is one; a path names a
+    checkpoint folder or a root with a `latest` marker. A restart by --max-restarts continues from
+    the newest checkpoint this run wrote, whatever `resume` says; only when the run has written none
+    yet does it go back to where the first attempt started."""
     mode = cfg.checkpoint.resume
-    if mode == "none" and restart_count() > 0:
-        mode = "auto"  # a restarted job continues from its last checkpoint
+    if restart_count() > 0:
+        root = checkpoint_root(cfg)
+        if root is not None and (root / LATEST).is_file():
+            return _follow_latest(root)
     if mode == "none":
         return None
     if mode == "auto":
@@ -219,6 +252,44 @@ def read_state(path: Path) -> dict:
         raise ConfigError(f"checkpoint {path} has format {state.get('format') if isinstance(state, dict) else '?'}, "
                           f"this fivefold reads format {FORMAT}")
     return state
+
+
+def _flat(section: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _changed(saved: dict, now: dict, section: str) -> list[str]:
+    """`section.key saved -> now` for each key both know and that differs (a key an older
+    checkpoint did not record is not compared)."""
+    saved, now = _flat(saved), _flat(now)
+    return [f"{section}.{key} {saved[key]!r} -> {now[key]!r}" for key in now
+            if key in saved and saved[key] != now[key]]
+
+
+def check_model(path: Path, state: dict, cfg: Config) -> None:
+    """Refuse a checkpoint of another model, even one whose tensors happen to have the same shapes."""
+    saved = {k: v for k, v in _flat(state.get("model", {})).items()
+             if k not in NOT_COMPARED and k not in TRAINING_KEYS}
+    differing = _changed(saved, cfg.to_dict()["model"], "model")
+    if differing:
+        raise ConfigError(f"checkpoint {path} is of another model ({', '.join(differing)}, saved -> this run); "
+                          f"resume it with its own [model] settings (its config.toml) or start this model "
+                          f"without checkpoint.resume")
+
+
+def changed_training_keys(state: dict, cfg: Config) -> list[str]:
+    """Training keys that differ from the checkpoint's: on resume the new values win."""
+    model = _flat(state.get("model", {}))
+    saved_training = {k: model[k] for k in TRAINING_KEYS if k in model}
+    now = _flat(cfg.to_dict()["model"])
+    return (_changed(state.get("train", {}), cfg.to_dict()["train"], "train")
+            + _changed(saved_training, {k: now[k] for k in TRAINING_KEYS}, "model"))
 
 
 def _expected(cfg_model, with_optimizer: bool) -> dict[str, tuple]:
@@ -257,6 +328,7 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     from fivefold.parallel.state import check_shapes
 
     state = read_state(path)
+    check_model(path, state, cfg)
     weights_only = bool(state.get("weights_only"))  # imported weights (fivefold convert)
     stored = sharded_io.shapes(path)
     check_shapes(path, stored, _expected(cfg.model, with_optimizer=not weights_only),
@@ -278,14 +350,19 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
         return 0
     boxes.install(optimizer, state.get("optimizer_step", state["step"]))
     sampler.load_state_dict(state["sampler"])
-    # Every parameter group has the same schedule, but how many groups there are depends on the
-    # layout (train/optim.py: plain and DTensor parameters apart): the first group's values stand for all.
-    saved, n_groups = state["scheduler"], len(optimizer.param_groups)
-    sched = scheduler.state_dict()
-    sched.update(last_epoch=saved["last_epoch"], _step_count=saved["_step_count"],
-                 base_lrs=[saved["base_lrs"][0]] * n_groups, _last_lr=[saved["_last_lr"][0]] * n_groups)
+    # The rule for changed training keys: this run's values win (the optimizer and schedule are
+    # built from them); only the counters come from the checkpoint, and rank 0 says what changed.
+    changed = changed_training_keys(state, cfg)
+    if changed and _rank() == 0:
+        print(f"warning: resuming {path} with changed training keys ({', '.join(changed)}); the new values "
+              f"apply from step {state['step'] + 1}", file=sys.stderr, flush=True)
+    from fivefold.train.optim import lr_multiplier
+
+    saved, sched = state["scheduler"], scheduler.state_dict()
+    lrs = [base * lr_multiplier(saved["last_epoch"], cfg.train) for base in sched["base_lrs"]]
+    sched.update(last_epoch=saved["last_epoch"], _step_count=saved["_step_count"], _last_lr=lrs)
     scheduler.load_state_dict(sched)
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+    for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr  # LambdaLR's load_state_dict restores its counters, not the groups' lr
     if "rng/cpu" in rng:
         torch.set_rng_state(rng["rng/cpu"])
