@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from hf_parity import assert_same_logits, logits, our_moe_layers, random_weights, stored
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
@@ -20,7 +21,6 @@ from fivefold.cli import main as cli  # noqa: E402
 from fivefold.config import ConfigError, load_config, validate  # noqa: E402
 from fivefold.models import build_meta_model, build_model, initial_values  # noqa: E402
 from fivefold.models.hf import config_from_hf, hf_config_from, load_pretrained, save_hf  # noqa: E402
-from fivefold.models.moe import MoE  # noqa: E402
 from fivefold.models.registry import family_stats  # noqa: E402
 
 VOCAB = 96
@@ -55,39 +55,14 @@ OUR_CASES = {
 }
 
 
-def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights of order 0.1 (norms near 1), and the routers' choice bias of order 0.3, enough to
-    change which experts many tokens pick: a bias left out or mis-mapped moves the logits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in name else 0.0))
-        for name, b in model.named_buffers():
-            if name.endswith(("e_score_correction_bias", "expert_bias")):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
-    return model.eval()
-
-
 def hf_model(case: str) -> torch.nn.Module:
-    return randomize(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**SMALL, **HF_CASES[case]})),
-                     seed=1)
+    return random_weights(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**SMALL, **HF_CASES[case]})),
+                          seed=1, router_bias_std=0.3)
 
 
 def our_config(case: str):
     preset, keys = OUR_CASES[case]
     return load_config(None, {"model": {"preset": preset, **keys}}).model
-
-
-def logits(model, vocab: int) -> torch.Tensor:
-    x = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        out = model(x)
-    return getattr(out, "logits", out)
-
-
-def assert_same_logits(got, want) -> None:
-    assert want.abs().max() > 0.5  # not a comparison of near-zero numbers
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def same_model(read, cfg) -> bool:
@@ -96,14 +71,6 @@ def same_model(read, cfg) -> bool:
 
 def hf_moe_layers(hf) -> list[bool]:
     return [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
-
-
-def our_moe_layers(model) -> list[bool]:
-    return [isinstance(block.feed_forward, MoE) for block in model.layers.values()]
-
-
-def stored(folder) -> dict[str, torch.Tensor]:
-    return {k: v for file in sorted(folder.glob("*.safetensors")) for k, v in load_file(file).items()}
 
 
 @pytest.mark.parametrize("case", HF_CASES)
@@ -121,7 +88,7 @@ def test_load_matches_transformers(tmp_path, case):
 @pytest.mark.parametrize("case", OUR_CASES)
 def test_export_loads_in_transformers(tmp_path, case):
     cfg = our_config(case)
-    ours = randomize(build_model(cfg, seed=2), seed=4)
+    ours = random_weights(build_model(cfg, seed=2), seed=4, router_bias_std=0.3)
     save_hf(ours, tmp_path)
     hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from hf_parity import assert_same_logits, logits, our_moe_layers, random_weights, stored
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,7 +18,6 @@ from fivefold.cli import main as cli  # noqa: E402
 from fivefold.config import ConfigError, load_config  # noqa: E402
 from fivefold.models import build_model  # noqa: E402
 from fivefold.models.hf import config_from_hf, hf_config_from, load_pretrained, save_hf  # noqa: E402
-from fivefold.models.moe import MoE  # noqa: E402
 from fivefold.models.moe_layout import is_moe_layer  # noqa: E402
 
 VOCAB = 96
@@ -65,20 +64,10 @@ OUR_CASES = {
 }
 
 
-def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights of order 0.1 (norms near 1): logits O(1), routing decisive, any swapped or
-    mis-mapped tensor far beyond the tolerance."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in name else 0.0))
-    return model.eval()
-
-
 def hf_model(case: str) -> torch.nn.Module:
     family, keys = HF_CASES[case]
     config_class, model_class = CLASSES[family]
-    return randomize(model_class(config_class(**{**SMALL, **keys})), seed=1)
+    return random_weights(model_class(config_class(**{**SMALL, **keys})), seed=1)
 
 
 def our_config(case: str):
@@ -86,28 +75,8 @@ def our_config(case: str):
     return load_config(None, {"model": {"preset": preset, **keys}}).model
 
 
-def logits(model, vocab: int) -> torch.Tensor:
-    x = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        out = model(x)
-    return getattr(out, "logits", out)
-
-
-def assert_same_logits(got, want) -> None:
-    assert want.abs().max() > 0.5  # not a comparison of near-zero numbers
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-
-
 def hf_moe_layers(hf) -> list[bool]:
     return [any(name.endswith("experts") for name, _ in layer.mlp.named_modules()) for layer in hf.model.layers]
-
-
-def our_moe_layers(model) -> list[bool]:
-    return [isinstance(block.feed_forward, MoE) for block in model.layers.values()]
-
-
-def stored(folder) -> dict[str, torch.Tensor]:
-    return {k: v for file in sorted(folder.glob("*.safetensors")) for k, v in load_file(file).items()}
 
 
 @pytest.mark.parametrize("case", HF_CASES)
@@ -124,7 +93,7 @@ def test_load_matches_transformers(tmp_path, case):
 @pytest.mark.parametrize("case", OUR_CASES)
 def test_export_loads_in_transformers(tmp_path, case):
     cfg = our_config(case)
-    ours = randomize(build_model(cfg, seed=2), seed=4)
+    ours = random_weights(build_model(cfg, seed=2), seed=4)
     save_hf(ours, tmp_path)
     hf, info = CLASSES[cfg.family][1].from_pretrained(tmp_path, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

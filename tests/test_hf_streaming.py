@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_parity import logits as parity_logits
+from hf_parity import random_weights, stored
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
@@ -22,15 +24,6 @@ from fivefold.models.hf_stream import HFBoxes, make_random_hf_llama  # noqa: E40
 from fivefold.train.checkpoint import read_tensors  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
-
-
-def random_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights of order 0.1 (norms near 1): logits O(1), routing decisive, any mix-up visible."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in name else 0.0))
-    return model.eval()
 
 
 def hf_llama(tied: bool) -> torch.nn.Module:
@@ -56,15 +49,8 @@ def save_sharded(model, folder: Path) -> dict[str, torch.Tensor]:
     return stored(folder)
 
 
-def stored(folder: Path) -> dict[str, torch.Tensor]:
-    return {k: v for file in sorted(folder.glob("*.safetensors")) for k, v in load_file(file).items()}
-
-
 def logits(model, vocab: int) -> torch.Tensor:
-    x = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        out = model(x)
-    return getattr(out, "logits", out)
+    return parity_logits(model, vocab, seq=16)
 
 
 def source(name: str, tied: bool, expert: int | None = None) -> str:
