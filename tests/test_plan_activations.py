@@ -36,29 +36,25 @@ ONE_RANK = {f"{dtype} {mode}": _with({}, recompute=mode, dtype=dtype)
             for dtype in ("fp32", "bf16") for mode in ("none", "selective", "full")}
 ONE_RANK.update({f"moe {dtype} {mode}": {**MOE, **_with({}, recompute=mode, dtype=dtype)}
                  for dtype in ("fp32", "bf16") for mode in ("none", "selective")})
-TWO_RANKS = {f"tp2 {mode}": _with({"tp": 2}, recompute=mode) for mode in ("none", "selective", "full")}
-TWO_RANKS.update({
+# The two-rank layouts every model is measured under (the MoE ones add their own below).
+LAYOUTS_2 = {
+    **{f"tp2 {mode}": _with({"tp": 2}, recompute=mode) for mode in ("none", "selective", "full")},
     "tp2 no-sp none": _with({"tp": 2, "sp": False}),
     "tp2 bf16 none": _with({"tp": 2}, dtype="bf16"),
     "tp2 bf16 selective": _with({"tp": 2}, dtype="bf16", recompute="selective"),
     "cp2 ring": _with({"cp": 2}),
     "cp2 ulysses": _with({"cp": 2, "cp_method": "ulysses"}),
     "cp2 ring selective": _with({"cp": 2}, recompute="selective"),
+}
+TWO_RANKS = {
+    **LAYOUTS_2,
     "moe dp2 ep2": {**MOE, **_with({"dp": 2, "ep": 2}, global_batch=4)},
     "moe tp2": {**MOE, **_with({"tp": 2})},
-})
+}
 for family, model in FAMILIES.items():
     ONE_RANK.update({f"{family} {dtype} {mode}": {**model, **_with({}, recompute=mode, dtype=dtype)}
                      for dtype in ("fp32", "bf16") for mode in ("none", "selective", "full")})
-    TWO_RANKS.update({f"{family} {label}": {**model, **layout} for label, layout in {
-        **{f"tp2 {mode}": _with({"tp": 2}, recompute=mode) for mode in ("none", "selective", "full")},
-        "tp2 no-sp none": _with({"tp": 2, "sp": False}),
-        "tp2 bf16 none": _with({"tp": 2}, dtype="bf16"),
-        "tp2 bf16 selective": _with({"tp": 2}, dtype="bf16", recompute="selective"),
-        "cp2 ring": _with({"cp": 2}),
-        "cp2 ulysses": _with({"cp": 2, "cp_method": "ulysses"}),
-        "cp2 ring selective": _with({"cp": 2}, recompute="selective"),
-    }.items()})
+    TWO_RANKS.update({f"{family} {label}": {**model, **layout} for label, layout in LAYOUTS_2.items()})
 for family in ("qwen3-moe", "deepseek-v3"):
     TWO_RANKS[f"{family} dp2 ep2"] = {**FAMILIES[family], **_with({"dp": 2, "ep": 2}, global_batch=4)}
 
