@@ -10,6 +10,14 @@ against the per-expert loop.
    dispatch really sent (mean over ranks and steps); "ledger" is metrics.jsonl's comm_bytes["ep"]
    (dispatch + combine, forward + backward, plus the count exchanges), compared with 4x the formula.
 2. Speed. One MoE layer, forward + backward, with torch._grouped_mm and with one matmul per expert.
+3. Work under tensor parallelism (`--tp-work` runs only this part). An MoE model (8 experts of
+   width 512, top-2, dim 128, 4 MoE layers) trains 4 steps on one process and at tp2 (sequence
+   parallel). Per step, after the first: "expert rows" = token-expert assignments the experts
+   computed, summed over the ranks (counted by a forward hook on every `Experts` module: exact);
+   "MoE fwd CPU" = process CPU seconds inside the MoE layers' forward, and "fwd+bwd CPU" = inside
+   `Parallelized.forward_backward`, both summed over the ranks (time.process_time: CPU work, not
+   wall time, so the other tenants of a shared machine move it less). Each as a ratio to the one
+   process: 2.0 = every tp rank repeats the whole MoE work, 1.0 = the tp ranks split it.
 """
 
 from __future__ import annotations
@@ -86,9 +94,85 @@ def speed(tokens: int, dim: int, hidden: int, n_experts: int, top_k: int, repeat
     return times
 
 
+TP_WORK_MODEL = ["--model.preset", "tiny-moe", "--model.moe.n_experts", "8", "--model.moe.expert_ffn_dim", "512",
+                 "--train.seq_len", "256", "--train.global_batch", "4", "--train.steps", "4",
+                 "--log.progress", "false", "--data.builtin_max_bytes", "300000"]
+
+
+def _work_rank(rank: int, world: int, port: int, overrides: list[str], out) -> None:
+    """One rank of `tp_work`: trains, counting expert rows and CPU seconds from the second step on."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from fivefold.models.moe import MoE, Experts
+    from fivefold.parallel.parallelize import Parallelized
+    from fivefold.train.trainer import train
+
+    seen = {"steps": 0, "rows": 0, "moe_cpu": 0.0, "step_cpu": 0.0}
+    moe_start: dict[int, float] = {}
+
+    def pre(module, args):
+        if seen["steps"] >= 1 and torch.is_grad_enabled():
+            if isinstance(module, Experts):
+                seen["rows"] += args[0].shape[0]
+            elif isinstance(module, MoE):
+                moe_start[id(module)] = time.process_time()
+
+    def post(module, args, output):
+        if isinstance(module, MoE) and id(module) in moe_start:
+            seen["moe_cpu"] += time.process_time() - moe_start.pop(id(module))
+
+    torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    torch.nn.modules.module.register_module_forward_hook(post)
+    original = Parallelized.forward_backward
+
+    def timed(self, *args, **kwargs):
+        start = time.process_time()
+        loss = original(self, *args, **kwargs)
+        if seen["steps"] >= 1:
+            seen["step_cpu"] += time.process_time() - start
+        seen["steps"] += 1
+        return loss
+
+    Parallelized.forward_backward = timed
+    train(load_config(None, overrides))
+    n = seen["steps"] - 1
+    out.put((rank, seen["rows"] / n, seen["moe_cpu"] / n, seen["step_cpu"] / n))
+
+
+def tp_work(tp: int) -> dict:
+    """Per-step work summed over the ranks of a tp-only layout (tp = 1: one process)."""
+    overrides = TP_WORK_MODEL + ["--parallel.tp", str(tp)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_work_rank, args=(r, tp, port, overrides, queue)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=900) for _ in procs]
+    for p in procs:
+        p.join()
+    return {"rows": sum(g[1] for g in got), "moe_cpu": sum(g[2] for g in got), "step_cpu": sum(g[3] for g in got)}
+
+
+def print_tp_work() -> None:
+    one, two = tp_work(1), tp_work(2)
+    print("\n| layout | expert rows/step (all ranks) | MoE fwd CPU s/step | fwd+bwd CPU s/step |")
+    print("|---|---|---|---|")
+    for name, w in (("1 process", one), ("tp2 (sp)", two)):
+        print(f"| {name} | {w['rows']:,.0f} | {w['moe_cpu']:.3f} | {w['step_cpu']:.3f} |")
+    print(f"| tp2 / 1 process | {two['rows'] / one['rows']:.2f}x | {two['moe_cpu'] / one['moe_cpu']:.2f}x | "
+          f"{two['step_cpu'] / one['step_cpu']:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args()
+    parser.add_argument("--tp-work", action="store_true", help="only part 3: MoE work at tp2 against one process")
+    args = parser.parse_args()
+    if args.tp_work:
+        print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, fp32")
+        print_tp_work()
+        return
     print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, fp32\n")
     print("| ep (= dp) | b·s per rank | dispatch bytes/rank/step exact | formula b·s·k·h·(ep−1)/ep | ratio "
           "| ledger ep bytes | 4x formula | ratio |")
@@ -105,6 +189,7 @@ def main() -> None:
         t = speed(*shape)
         print(f"| {shape} | {t['grouped'] * 1e3:.1f} ms | {t['loop'] * 1e3:.1f} ms | {t['loop'] / t['grouped']:.2f}x |",
               flush=True)
+    print_tp_work()
 
 
 if __name__ == "__main__":

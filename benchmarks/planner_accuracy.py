@@ -7,8 +7,11 @@ models on 1-64 nodes of 8 H100s) and reports, for the runs that ran:
   - Spearman rank correlation of tokens/s within each (model, nodes) group.
 
 Usage (from the repository root):
-  PYTHONPATH=src .venv/bin/python benchmarks/planner_accuracy.py [--csv ../shared/data/playbook_runs_dev.csv]
-      [--json OUT.json] [--worst N]
+  PYTHONPATH=src .venv/bin/python benchmarks/planner_accuracy.py [--csv FILE ...] [--json OUT.json]
+      [--worst N]
+Without --csv it reads both calibration files: ../shared/data/playbook_runs_dev.csv (nanotron
+profile) and ../shared/data/torchtitan_h100_2024.csv (fivefold's eager / compiled profiles;
+torchtitan's FP8 linears and its FSDP-under-PP policy are the only torchtitan-specific changes).
 
 The model shapes and training setup are the Playbook's (see ../shared/data/README.md): sequence
 4096, global batch 256, vocabulary 131,072, full multi-head attention, bf16 compute with fp32
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import statistics
 import sys
@@ -103,6 +107,90 @@ def predict(rows: list[dict], runtime=NANOTRON_RUNTIME, hw=None) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------ torchtitan (PyTorch-native)
+
+TORCHTITAN_CSV = REPO / ".." / "shared" / "data" / "torchtitan_h100_2024.csv"
+# Llama 3.1 shapes (Meta's model cards): GQA with 8 KV heads, vocabulary 128,256, untied.
+TITAN_SHAPES = {
+    "llama3.1-8b": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336),
+    "llama3.1-70b": dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672),
+    "llama3.1-405b": dict(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248),
+}
+# Grand Teton hosts: H100 96 GB HBM2e at 500 W (data README). MFU is quoted against the SXM peak,
+# so the peak stays 989 TFLOP/s; the power cap lowers the clock the matmuls run at.
+# POWER_DERATE: sustained tensor-core throughput at 500 W over 700 W, from H100 power/clock curves
+# (~1.98 GHz boost falling to ~1.6 GHz under a 500 W cap on dense GEMMs): an assumption, not fitted.
+POWER_DERATE = 0.82
+
+
+def titan_hardware():
+    h100 = hardware_for("h100")
+    return dataclasses.replace(h100, memory_bytes=96 * 2 ** 30,
+                               matmul_efficiency=h100.matmul_efficiency * POWER_DERATE)
+
+
+def titan_workload(row: dict) -> Workload:
+    shape = TITAN_SHAPES[row["model"]]
+    seq = int(row["seq_len"])
+    model = ModelConfig(preset=row["model"], n_kv_heads=8, vocab_size=128256, tie_embeddings=False,
+                        max_seq_len=seq, **shape)
+    # FSDP2 with bf16 compute and fp32 gradient reduction: fivefold's bf16 recipe.
+    return Workload(stats=model_stats(model), seq_len=seq, global_batch=int(row["global_batch"]),
+                    precision=PRECISIONS["bf16"], order=("pp", "dp", "cp", "tp"))
+
+
+def titan_layout(row: dict) -> Layout:
+    pp, local = int(row["pp"]), int(row["local_batch"])
+    schedule = row["pp_schedule"] or "1f1b"
+    # torchtitan splits a rank's batch into micro-batches of 1 sequence under a pipeline and runs
+    # it whole otherwise (no gradient accumulation in these tables).
+    return Layout(dp=int(row["fsdp"]), zero=3, tp=int(row["tp"]), pp=pp, cp=int(row["cp"]),
+                  mbs=1 if pp > 1 else local, recompute=row["recompute"], pp_schedule=schedule,
+                  pp_virtual=2 if schedule == "interleaved_1f1b" else 1)
+
+
+def titan_runtime(row: dict, eager=None, compiled=None):
+    from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER
+    runtime = (compiled or FIVEFOLD_COMPILED) if row["compile"] == "true" else (eager or FIVEFOLD_EAGER)
+    # torchtitan's own behaviour where it differs from fivefold's: FP8 linears, and FSDP blocks
+    # kept gathered over a pipeline's micro-batches.
+    speedup = FLOAT8_LINEAR_SPEEDUP if row["float8"] == "true" else 1.0
+    return dataclasses.replace(runtime, float8_linear_speedup=speedup, fsdp_gather_once_in_pipeline=True)
+
+
+# FP8 matmuls of nn.Linear after the scaling casts: the FP8 peak is 2x; torchtitan's 8B rows gain
+# 1.28x end to end. Fitted with the fivefold profiles (calibrate_time.py); fivefold itself has no FP8.
+FLOAT8_LINEAR_SPEEDUP = 1.16
+
+
+def titan_predict(rows: list[dict], eager=None, compiled=None, hw=None) -> list[dict]:
+    hw = hw or titan_hardware()
+    out = []
+    for row in rows:
+        est = estimate(titan_workload(row), titan_layout(row), hw, titan_runtime(row, eager, compiled))
+        out.append({**row, "status": "ok", "tok_s_gpu": row["tps_per_gpu"], "mem_gb": row["mem_gib"],
+                    "pred_tok_s": est.tokens_per_sec_per_gpu, "pred_mem_gb": est.memory.total / MEM_UNIT,
+                    "pred_fits": est.fits, "pred_parts": est.time_parts})
+    return out
+
+
+def titan_summarize(pred: list[dict]) -> dict:
+    err = [abs(r["pred_tok_s"] / float(r["tok_s_gpu"]) - 1) for r in pred]
+    mem = [abs(r["pred_mem_gb"] / float(r["mem_gb"]) - 1) for r in pred]
+    bf16 = [e for e, r in zip(err, pred) if r["float8"] != "true"]
+    return {"rows": len(pred), "median_tok_s_rel_error": statistics.median(err),
+            "p90_tok_s_rel_error": _quantile(err, 0.9),
+            "median_tok_s_rel_error_bf16": statistics.median(bf16) if bf16 else float("nan"),
+            "median_mem_rel_error": statistics.median(mem),
+            "fit_prediction_right": sum(r["pred_fits"] for r in pred) / len(pred),
+            "spearman": spearman([float(r["tok_s_gpu"]) for r in pred], [r["pred_tok_s"] for r in pred])}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def _ranks(values: list[float]) -> list[float]:
     order = sorted(range(len(values)), key=lambda i: values[i])
     ranks = [0.0] * len(values)
@@ -145,6 +233,7 @@ def summarize(pred: list[dict]) -> dict:
         "rows": len(pred), "ran": len(ran),
         "median_tok_s_rel_error": statistics.median(tok_err),
         "share_tok_s_within_15pct": sum(e <= 0.15 for e in tok_err) / len(tok_err),
+        "p90_tok_s_rel_error": _quantile(tok_err, 0.9),
         "median_mem_rel_error": statistics.median(mem_err),
         "fit_prediction_right": sum(fit_right) / len(fit_right),
         "ran_but_predicted_oom": ok_pred_oom, "failed_but_predicted_fit": fail_pred_fit,
@@ -154,23 +243,13 @@ def summarize(pred: list[dict]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--csv", default=str(DEFAULT_CSV), help="published runs (CSV)")
-    ap.add_argument("--json", help="also write the summary here")
-    ap.add_argument("--worst", type=int, default=0, help="print the N worst tokens/s predictions")
-    args = ap.parse_args(argv)
-    path = Path(args.csv)
-    if not path.is_file():
-        print(f"--csv {path} does not exist; point it at playbook_runs_dev.csv", file=sys.stderr)
-        return 2
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
+def _print_playbook(path: Path, rows: list[dict], worst: int) -> dict:
     pred = predict(rows)
     summary = summarize(pred)
-    print(f"published runs: {summary['rows']} rows, {summary['ran']} ran")
+    print(f"{path.name}: {summary['rows']} rows, {summary['ran']} ran (nanotron profile)")
     print(f"median |error| tokens/s/GPU : {summary['median_tok_s_rel_error']:.1%}"
-          f"   (within 15%: {summary['share_tok_s_within_15pct']:.0%} of runs)")
+          f"   (within 15%: {summary['share_tok_s_within_15pct']:.0%} of runs;"
+          f" 90th percentile {summary['p90_tok_s_rel_error']:.0%})")
     for label, part in summary["tok_s_error_by_scale"].items():
         print(f"   on {label:11s}: {part['median_tok_s_rel_error']:.1%} over {part['runs']} runs")
     print(f"median |error| peak memory  : {summary['median_mem_rel_error']:.1%}")
@@ -179,15 +258,59 @@ def main(argv: list[str] | None = None) -> int:
           f"failed but predicted to fit: {summary['failed_but_predicted_fit']})")
     print(f"Spearman rho within (model, nodes), median {summary['spearman_median']:.2f}:")
     print("   " + "  ".join(f"{k} {v:.2f}" for k, v in summary["spearman_by_group"].items()))
-    if args.worst:
+    if worst:
         ran = [r for r in pred if r["status"] == "ok"]
         ran.sort(key=lambda r: -abs(r["pred_tok_s"] / float(r["tok_s_gpu"]) - 1))
-        for r in ran[:args.worst]:
+        for r in ran[:worst]:
             print(f"  {r['model']} n{r['nodes']} dp{r['dp']} tp{r['tp']} pp{r['pp']} z{r['zero']} "
                   f"mbs{r['mbs']}: measured {float(r['tok_s_gpu']):.0f} predicted {r['pred_tok_s']:.0f}"
                   f" mem {r['mem_gb']}/{r['pred_mem_gb']:.1f}")
+    return summary
+
+
+def _print_titan(path: Path, rows: list[dict]) -> dict:
+    pred = titan_predict(rows)
+    summary = titan_summarize(pred)
+    # The calibration fitted on the even rows (calibrate_time.py); the odd ones are held out.
+    summary["held_out"] = titan_summarize(pred[1::2])
+    summary["fitted_on"] = titan_summarize(pred[0::2])
+    print(f"{path.name}: {summary['rows']} rows (fivefold eager / compiled profiles)")
+    print(f"median |error| tokens/s/GPU : {summary['median_tok_s_rel_error']:.1%}"
+          f"   (90th percentile {summary['p90_tok_s_rel_error']:.0%}; bf16 rows"
+          f" {summary['median_tok_s_rel_error_bf16']:.1%})")
+    print(f"   fitted rows (even) {summary['fitted_on']['median_tok_s_rel_error']:.1%},"
+          f" held-out rows (odd) {summary['held_out']['median_tok_s_rel_error']:.1%}")
+    print(f"median |error| peak memory  : {summary['median_mem_rel_error']:.1%}")
+    print(f"fit / OOM predicted right   : {summary['fit_prediction_right']:.1%}")
+    print(f"Spearman rho over all rows  : {summary['spearman']:.2f}")
+    for r in pred:
+        print(f"  t{r['table']} {r['model']} {r['gpus']} GPUs fsdp{r['fsdp']} tp{r['tp']} pp{r['pp']}"
+              f" cp{r['cp']} seq{r['seq_len']} compile={r['compile']} fp8={r['float8']}:"
+              f" measured {float(r['tok_s_gpu']):.0f} predicted {r['pred_tok_s']:.0f}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--csv", action="append",
+                    help="published runs (CSV; repeatable); default: both calibration files")
+    ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--worst", type=int, default=0, help="print the N worst tokens/s predictions")
+    args = ap.parse_args(argv)
+    paths = [Path(p) for p in (args.csv or [DEFAULT_CSV, TORCHTITAN_CSV])]
+    summaries = {}
+    for path in paths:
+        if not path.is_file():
+            print(f"--csv {path} does not exist; point it at playbook_runs_dev.csv or "
+                  "torchtitan_h100_2024.csv", file=sys.stderr)
+            return 2
+        with path.open() as f:
+            rows = list(csv.DictReader(f))
+        titan = "tps_per_gpu" in rows[0]
+        summaries[path.name] = _print_titan(path, rows) if titan else _print_playbook(path, rows, args.worst)
+        print()
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+        Path(args.json).write_text(json.dumps(summaries, indent=2))
     return 0
 
 

@@ -4,7 +4,7 @@ and the comparison every parallel layout must pass (DESIGN.md principle 1)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,27 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
+def write_short_documents(path, n_documents: int = 3000, seed: int = 0) -> str:
+    """A .jsonl corpus of short documents (1 to 60 characters, no newline inside), so that most
+    windows of the tiny config cross document boundaries: what document masking tests train on.
+    Each document ends with the newline tokenizing appends (train/data.py)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz     .,"
+    with open(path, "w") as out:
+        for _ in range(n_documents):
+            text = "".join(rng.choice(letters) for _ in range(rng.randint(1, 60)))
+            out.write(json.dumps({"text": text}) + "\n")
+    return str(path)
+
+
+def with_documents(settings: dict, source: str, **data) -> dict:
+    """`settings` trained with document masking on `source` (extra data keys in `data`)."""
+    return _merge(settings, {"data": {"source": source, "document_mask": True, **data}})
+
+
 def tiny_config(overrides: dict | None = None):
     return load_config(None, _merge(BASE, overrides or {}))
 
@@ -61,6 +82,13 @@ class Run:
     comm: dict[str, int]  # the ledger of the last step
     state_bytes: dict[str, int]  # this rank's parameter / gradient / optimizer bytes
     local_wq: torch.Tensor | None  # this rank's piece of the first wq weight it holds
+    # Persistent buffers, whole (MoE bias balancing's `expert_bias`): state the optimizer does not
+    # own, moved by the step's routing, so a wrong load count changes them and not the weights.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A tied matrix's second copy where a pipeline holds it apart (the last stage's output weight):
+    # copy name -> (source name, whole tensor). The single process holds it once, so both must stay equal.
+    tied_copies: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    eval_losses: list[float] = field(default_factory=list)  # the held-out loss of each evaluation
     # Reference runs only: the largest weight difference between this run and the same settings
     # accumulated in another micro-batch split (the reassociation noise of the tolerance rule).
     weight_noise: float = 0.0
@@ -81,7 +109,46 @@ def run_layout(overrides: dict) -> Run:
     local_wq = None if wq is None else (wq.to_local() if isinstance(wq, DTensor) else wq).detach().clone()
     return Run(losses=result.losses, grad_norms=[r["grad_norm"] for r in result.records],
                weights=result.parallel.full_state_dict(), comm=result.records[-1]["comm_bytes"],
-               state_bytes=result.state_bytes, local_wq=local_wq)
+               state_bytes=result.state_bytes, local_wq=local_wq, buffers=_whole_buffers(result.parallel),
+               tied_copies=_tied_copies(result.parallel),
+               eval_losses=[r["val_loss"] for r in result.records if "val_loss" in r])
+
+
+def _over_stages(par, mine: dict) -> dict:
+    """The union of every pipeline stage's `mine` (a collective over pp; `mine` itself without one)."""
+    import torch.distributed as dist
+
+    if par.pipeline is None:
+        return mine
+    stages = [None] * par.dims.pp
+    dist.all_gather_object(stages, mine, group=par.mesh["pp"].get_group())
+    return {name: value for stage in stages for name, value in stage.items()}
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective over tp
+    return whole.detach().cpu().clone()
+
+
+def _whole_buffers(par) -> dict[str, torch.Tensor]:
+    from fivefold.parallel.state import persistent_buffers
+
+    return _over_stages(par, {name: _whole(buf) for name, buf in persistent_buffers(par).items()})
+
+
+def _tied_copies(par) -> dict[str, tuple[str, torch.Tensor]]:
+    """What `full_state_dict` drops: the copies of tied matrices the pipeline's last stage holds."""
+    if par.pipeline is None:
+        return {}
+    mine = {}
+    for part in par.parts:
+        params = dict(part.named_parameters())
+        for copy_name, source in par.pipeline.tied_pairs.items():
+            if copy_name in params:
+                mine[copy_name] = (source, _whole(params[copy_name]))
+    return _over_stages(par, mine)
 
 
 def run_layouts(layouts: list[dict]) -> list:
@@ -130,8 +197,21 @@ def assert_same_run(got, want, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL, lab
         assert abs(a - b) <= loss_rtol * abs(b), f"{label}: step {step} loss {a} != {b} (bound {loss_rtol:.1e} relative)"
     for step, (a, b) in enumerate(zip(norms, ref_norms), 1):
         assert abs(a - b) <= norm_rtol * abs(b), f"{label}: step {step} grad norm {a} != {b} (bound {norm_rtol:.1e} relative)"
+    assert len(got.eval_losses) == len(want.eval_losses), f"{label}: {len(got.eval_losses)} evaluations, want {len(want.eval_losses)}"
+    for i, (a, b) in enumerate(zip(got.eval_losses, want.eval_losses), 1):
+        assert abs(a - b) <= loss_rtol * abs(b), f"{label}: evaluation {i} loss {a} != {b} (bound {loss_rtol:.1e} relative)"
     assert weights.keys() == ref_weights.keys(), f"{label}: parameter names differ"
-    for name, tensor in weights.items():
-        diff = (tensor - ref_weights[name]).abs().max().item()
+    assert got.buffers.keys() == want.buffers.keys(), f"{label}: buffer names differ"
+    # Buffers (the MoE balancing bias) follow the weights' rule; a tied matrix's pipeline copy must
+    # match the single process's one matrix just as its source does.
+    compared = [*weights.items(), *got.buffers.items(),
+                *((f"{copy} (tied copy of {source})", tensor) for copy, (source, tensor) in got.tied_copies.items())]
+    ref_of = {**ref_weights, **want.buffers,
+              **{f"{copy} (tied copy of {source})": ref_weights[source] for copy, (source, _) in got.tied_copies.items()}}
+    for name, tensor in compared:
+        ref = ref_of[name]
+        # (a - b) broadcasts: a wrong shape could otherwise pass as a small difference
+        assert tensor.shape == ref.shape, f"{label}: {name} has shape {list(tensor.shape)}, want {list(ref.shape)}"
+        diff = (tensor - ref).abs().max().item() if tensor.numel() else 0.0
         assert diff <= weight_atol, (f"{label}: {name} differs by {diff} (bound {weight_atol:.2e}: "
                                      f"{NOISE_MARGIN} x measured reassociation noise {want.weight_noise:.2e})")

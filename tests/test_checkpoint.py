@@ -66,6 +66,9 @@ def four_ranks(root: str) -> dict:
                                   resume=f"{root}/moe/step_00000003"))
     out["moe dp2 tp2 ep2 zero2"] = _train(_with({"model": MOE, "parallel": {"dp": 2, "tp": 2, "ep": 2, "zero": 2}},
                                                 resume=f"{root}/moe/step_00000003"))
+    # ep borrowing tp: each of the 4 ranks (2 dp x 2 tp) holds one expert.
+    out["moe dp2 tp2 ep4 zero1"] = _train(_with({"model": MOE, "parallel": {"dp": 2, "tp": 2, "ep": 4, "zero": 1}},
+                                                resume=f"{root}/moe/step_00000003"))
     out["moe dp4 ep2 zero3"] = _train(_with({"model": MOE, "parallel": {"dp": 4, "ep": 2, "zero": 3}},
                                             resume=f"{root}/moe/step_00000003"))
     out["moe dp4 hsdp2 ep2 zero3"] = _train(_with({"model": MOE, "parallel": {"dp": 4, "dp_shard": 2, "ep": 2, "zero": 3}},
@@ -143,7 +146,7 @@ def test_each_rank_writes_only_its_pieces(four, root):
 
 
 @pytest.mark.parametrize("where, label", [("two", "moe ep1"), ("four", "moe ep4"), ("four", "moe dp2 tp2 ep2 zero2"),
-                                          ("four", "moe dp4 ep2 zero3"), ("four", "moe dp4 hsdp2 ep2 zero3")])
+                                          ("four", "moe dp2 tp2 ep4 zero1"), ("four", "moe dp4 ep2 zero3"), ("four", "moe dp4 hsdp2 ep2 zero3")])
 def test_moe_resharded_across_ep(two, four, where, label):
     got = (two if where == "two" else four)[label]
     assert got["steps"] == [4, 5, 6]

@@ -71,9 +71,11 @@ def test_train_help_lists_every_key_with_its_default_and_help(capsys):
         block = out.split(f"\n[{section}]", 1)[1].split("\n[", 1)[0]
         assert all(k.rsplit(".", 1)[0] == section for k in re.findall(r"^  --([\w.]+) ", block, re.MULTILINE))
     # Help from a trailing comment, from a comment block above the field, and from the table.
-    assert re.search(r"--train.global_batch 16 +sequences per optimizer step$", out, re.MULTILINE)
+    assert re.search(r"--train.global_batch 16 +sequences per optimizer step; > 0$", out, re.MULTILINE)
     assert re.search(r"--model.family \"\" +The ModelSpec \(models/registry.py\)", out, re.MULTILINE)
-    assert re.search(r"--parallel.dp 1 +data-parallel degree$", out, re.MULTILINE)
+    assert re.search(r"--parallel.dp 1 +data-parallel degree; > 0$", out, re.MULTILINE)
+    # The accepted values come from the key's declaration (config_checks.checked).
+    assert re.search(r"--train.beta1 0.9 +AdamW beta1; in \[0, 1\)$", out, re.MULTILINE)
     assert "--nproc N" in out and "--max-restarts K" in out  # the launcher's own options
 
 

@@ -11,7 +11,7 @@ really builds.
 
 import pytest
 
-from layouts import assert_same_run, reference, run_layout, tiny_config
+from layouts import assert_same_run, reference, run_layout, tiny_config, with_documents, write_short_documents
 from ranks import run_on_ranks
 
 # 4 layers so that pp2 with two virtual stages per rank (interleaved_1f1b, zbv) has a layer per stage.
@@ -31,9 +31,11 @@ TP_WEIGHT_ATOL = 1e-4
 SCHEDULE_VIRTUAL = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
 
 
-def layout(model: dict, dp=1, zero=0, tp=1, pp=1, schedule="1f1b", cp=1, method="ring", ep=1, **train) -> dict:
+def layout(model: dict, dp=1, zero=0, tp=1, pp=1, schedule="1f1b", cp=1, method="ring", ep=1, dp_shard=0,
+           **train) -> dict:
     parallel = {"dp": dp, "zero": zero, "tp": tp, "pp": pp, "pp_schedule": schedule,
-                "pp_virtual": SCHEDULE_VIRTUAL[schedule], "cp": cp, "cp_method": method, "ep": ep}
+                "pp_virtual": SCHEDULE_VIRTUAL[schedule], "cp": cp, "cp_method": method, "ep": ep,
+                "dp_shard": dp_shard}
     return {"model": model, "parallel": parallel, "train": {**TRAIN, **train}}
 
 
@@ -46,7 +48,8 @@ def label(l: dict) -> str:
     p, t = l["parallel"], l["train"]
     kind = l["model"].get("preset", "moe" if "moe" in l["model"] else "dense")
     extra = "".join(f" {k}={v}" for k, v in t.items() if k != "micro_batch")
-    return (f"{kind} dp{p['dp']} z{p['zero']} tp{p['tp']} pp{p['pp']}/{p['pp_schedule']} "
+    hsdp = f"/shard{p['dp_shard']}" if p["dp_shard"] else ""
+    return (f"{kind} dp{p['dp']}{hsdp} z{p['zero']} tp{p['tp']} pp{p['pp']}/{p['pp_schedule']} "
             f"cp{p['cp']}/{p['cp_method']} ep{p['ep']}{extra}")
 
 
@@ -64,6 +67,9 @@ FULL = [
 # Checked against the fp32 reference within 2% (bf16 keeps 8 mantissa bits) rather than 1e-5.
 BF16 = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, dtype="bf16")
 COMPILED = layout(DENSE, dp=2, zero=1, tp=2, pp=2, cp=2, compile=True)
+# Document masking (data.document_mask, tests/test_document_mask.py) on a corpus of short documents:
+# the ids reach every stage, and the ring masks blocks, under all five dimensions.
+DOCUMENTS = layout(DENSE, dp=2, zero=1, tp=2, pp=2, cp=2)
 
 # ---------------------------------------------------------------- the matrix (slow)
 # Every value of every dimension appears, each with the others active: 16-rank layouts over the
@@ -84,6 +90,20 @@ SLOW_8 = [
     layout(MOE, dp=2, zero=3, tp=2, cp=2, ep=4),
     layout(MOE, dp=2, zero=0, pp=2, schedule="interleaved_1f1b", cp=2, method="allgather", ep=2),
     layout(MOE, tp=2, pp=2, schedule="zbv", cp=2, ep=2),
+    # ep borrowing dp only, its edp group interleaving tp ranks ([0, 1, 4, 5]) under FSDP2.
+    layout(MOE, dp=4, zero=3, tp=2, ep=2),
+    # HSDP (dense weights sharded in pairs, the pairs replicated) composed with tp and cp; with pp below.
+    layout(DENSE, dp=4, dp_shard=2, zero=3, tp=2),
+    layout(DENSE, dp=4, dp_shard=2, zero=2, cp=2),
+]
+# torch.compile (aot_eager, as COMPILED) with recomputation inside the compiled blocks and with
+# experts (routing, the bias update, the all-to-all dispatch traced), the second under HSDP with pp.
+# expert_ffn_dim=60 keeps the per-expert loop in eager too (compiled fp32 experts always take it:
+# torch 2.13's fake-tensor kernel of torch._grouped_mm accepts bf16 only; test_compiled_grouped_experts_fp32).
+MOE_LOOPED = {**MOE, "moe": {**MOE["moe"], "expert_ffn_dim": 60}}
+COMPILED_8 = [
+    layout(MOE_LOOPED, dp=2, zero=1, tp=2, cp=2, ep=2, compile=True, recompute="selective"),
+    layout(DENSE, dp=4, dp_shard=2, zero=3, pp=2, compile=True, recompute="full"),
 ]
 
 
@@ -110,8 +130,13 @@ def _sixteen(layouts: list[dict]) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def sixteen_rank_results():
-    return run_on_ranks(16, _sixteen, [*FULL, BF16])
+def document_source(tmp_path_factory):
+    return write_short_documents(tmp_path_factory.mktemp("documents") / "short.jsonl")
+
+
+@pytest.fixture(scope="module")
+def sixteen_rank_results(document_source):
+    return run_on_ranks(16, _sixteen, [*FULL, BF16, with_documents(DOCUMENTS, document_source)])
 
 
 def weight_atol(l: dict) -> float:
@@ -138,6 +163,10 @@ def test_bf16_5d_tracks_fp32(sixteen_rank_results):
     assert got.losses != want.losses  # it really ran in bf16
 
 
+def test_document_mask_5d(sixteen_rank_results, document_source):
+    check([runs for runs, _ in sixteen_rank_results], len(FULL) + 1, with_documents(DOCUMENTS, document_source))
+
+
 def test_rank_map_is_what_the_run_builds(sixteen_rank_results):
     from fivefold.mesh import ParallelDims
     from fivefold.rank_map import rank_groups, rank_infos
@@ -162,7 +191,7 @@ def slow_sixteen():
 
 @pytest.fixture(scope="module")
 def slow_eight():
-    return run_on_ranks(8, run_all, SLOW_8)
+    return run_on_ranks(8, run_all, [*SLOW_8, *COMPILED_8])
 
 
 def run_all(layouts: list[dict]) -> list:  # module level: sent to ranks by reference
@@ -206,11 +235,40 @@ def test_matrix_8_ranks(slow_eight, index):
     check(slow_eight, index, SLOW_8[index])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(COMPILED_8)), ids=[label(l) for l in COMPILED_8])
+def test_compiled_8_ranks(slow_eight, index, monkeypatch):
+    import functools
+
+    import torch
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    check(slow_eight, len(SLOW_8) + index, COMPILED_8[index])
+
+
+def test_compiled_grouped_experts_fp32(monkeypatch):
+    """torch 2.13's fake-tensor kernel of torch._grouped_mm accepts bf16 only: compiled fp32 experts
+    trace the per-expert loop instead (models/moe.py grouped_mm_usable) and train like eager."""
+    import functools
+
+    import torch
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    settings = {"model": MOE, "train": {**TRAIN, "steps": 2}}  # expert_ffn_dim 64: the grouped matmul
+    compiled = run_layout({**settings, "train": {**settings["train"], "compile": True}})
+    assert_same_run(compiled, reference(settings), label="compiled fp32 grouped experts")
+
+
 def test_matrix_covers_every_value():
     """The layouts tested, default and slow together, use every value the issue names."""
-    every = [*FULL, BF16, COMPILED, *SLOW_16, *SLOW_8]
+    every = [*FULL, BF16, COMPILED, *SLOW_16, *SLOW_8, *COMPILED_8]
     seen = {key: {l["parallel"][key] for l in every} for key in ("dp", "zero", "tp", "pp", "cp", "ep")}
-    assert seen == {"dp": {1, 2}, "zero": {0, 1, 3}, "tp": {1, 2}, "pp": {1, 2}, "cp": {1, 2}, "ep": {1, 2, 4}}
+    assert seen == {"dp": {1, 2, 4}, "zero": {0, 1, 2, 3}, "tp": {1, 2}, "pp": {1, 2}, "cp": {1, 2}, "ep": {1, 2, 4}}
+    hsdp = [l["parallel"] for l in every if 0 < l["parallel"]["dp_shard"] < l["parallel"]["dp"]]
+    assert all(any(p[key] > 1 for p in hsdp) for key in ("tp", "cp", "pp")), "HSDP with each of tp, cp, pp"
+    compiled = [l for l in every if l["train"].get("compile")]
+    assert {l["train"].get("recompute", "none") for l in compiled} == {"none", "selective", "full"}
+    assert any("moe" in l["model"] and l["parallel"]["ep"] > 1 for l in compiled)
     assert {l["parallel"]["pp_schedule"] for l in every if l["parallel"]["pp"] > 1} == set(SCHEDULE_VIRTUAL)
     assert {l["parallel"]["cp_method"] for l in every if l["parallel"]["cp"] > 1} == {"ring", "allgather", "ulysses"}
     assert all(len(l) == 3 and world(l) in (8, 16) for l in every)

@@ -51,7 +51,7 @@ BAD_INPUTS = [
     ("zero-steps", None, ["--train.steps", "0"], None,
      ["train.steps must be > 0", "got 0"]),
     ("zero-stage-out-of-range", None, ["--parallel.zero", "4"], None,
-     ["parallel.zero=4 is outside 0-3", "3 also parameters"]),
+     ["parallel.zero=4 is not one of 0, 1, 2, 3", "3 also parameters"]),
     ("degrees-not-world-size", None, ["--parallel.dp", "2", "--parallel.tp", "2"], 8,
      ["parallel.dp*tp*pp*cp = 2*2*1*1 = 4", "the job has 8 ranks", "make the degrees multiply to 8"]),
     ("tp-not-dividing-heads", None, ["--parallel.tp", "3"], None,

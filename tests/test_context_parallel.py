@@ -1,27 +1,32 @@
 """Context parallelism in training: every layout equals the single-process run (losses, gradient
-norms, final weights within 1e-5, fp32, 6 steps); bad cp settings get one sentence."""
+norms, final weights within 1e-5, fp32, 6 steps); bad cp settings get one sentence. The same spawns
+run document masking: each cp method's attention against every document alone, and training with
+`data.document_mask` under cp2 (each method), tp2, pp2 and bf16 against the single process."""
 
 import pytest
 
-from layouts import assert_same_run, reference, run_layouts, tiny_config
+from layouts import assert_same_run, reference, run_layouts, tiny_config, with_documents, write_short_documents
 from ranks import run_on_ranks
+from test_document_mask import METHODS, assert_document_ops_exact, document_op_errors
 
 from fivefold.config import ConfigError
 from fivefold.validate import validate
 
+EVAL = {"eval_every": 3, "eval_batches": 2}
 CP2_LAYOUTS = [
     {"parallel": {"cp": 2}},  # dp=1: gradients must still be averaged over the two cp ranks
     {"parallel": {"cp": 2, "cp_method": "allgather"}},
     {"parallel": {"cp": 2, "cp_method": "ulysses"}},
-    {"parallel": {"cp": 2}, "train": {"micro_batch": 2, "recompute": "selective"}},
-    {"parallel": {"cp": 2, "cp_method": "allgather"}, "train": {"recompute": "full"}},
+    # These two also evaluate (train.eval_every): the held-out loss equals the single process's.
+    {"parallel": {"cp": 2}, "train": {"micro_batch": 2, "recompute": "selective", **EVAL}},
+    {"parallel": {"cp": 2, "cp_method": "allgather"}, "train": {"recompute": "full", **EVAL}},
 ]
 FOUR_RANK_LAYOUTS = [
     {"parallel": {"cp": 4}},
     {"parallel": {"cp": 2, "tp": 2}},
     {"parallel": {"cp": 2, "dp": 2, "zero": 1}},
     {"parallel": {"cp": 2, "dp": 2, "zero": 3}},
-    {"parallel": {"pp": 2, "cp": 2, "pp_schedule": "1f1b"}, "train": {"micro_batch": 2}},
+    {"parallel": {"pp": 2, "cp": 2, "pp_schedule": "1f1b"}, "train": {"micro_batch": 2, **EVAL}},
     {"parallel": {"cp": 4, "cp_method": "allgather"}},
     {"parallel": {"cp": 2, "tp": 2, "cp_method": "ulysses"}},
 ]
@@ -35,14 +40,59 @@ PP_ZBV = {"parallel": {"pp": 2, "cp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
           "train": {"micro_batch": 2}, "model": {"n_layers": 4}}
 
 
-@pytest.fixture(scope="module")
-def cp2_results():
-    return run_on_ranks(2, run_layouts, CP2_LAYOUTS)
+# Document masking on a corpus of short documents (most windows cross a boundary), each layout
+# against the single-process run with the same mask; one without RoPE positions restarting.
+DOCUMENT_LAYOUTS = [
+    {"parallel": {"cp": 2}},
+    {"parallel": {"cp": 2, "cp_method": "allgather"}, "train": {"recompute": "full"}},
+    {"parallel": {"cp": 2, "cp_method": "ulysses"}, "data": {"document_positions": False}},
+    {"parallel": {"tp": 2}},
+    {"parallel": {"pp": 2}, "train": {"micro_batch": 2}},
+]
+DOCUMENT_BF16 = {"parallel": {"cp": 2}, "train": {"dtype": "bf16"}}
+# tp2's row-parallel sums reassociate every step and AdamW's m/sqrt(v) amplifies that on weights whose
+# gradients nearly cancel: with the mask, tp2 moves one w1 element by 1.7e-5 (losses and gradient
+# norms agree to 2e-7) where the micro-batch split measures 1e-7; tp layouts get the bound of
+# tests/test_composition.py (TP_WEIGHT_ATOL).
+DOCUMENT_TP_WEIGHT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def four_rank_results():
-    return run_on_ranks(4, run_layouts, FOUR_RANK_LAYOUTS + [BF16, PP_ZBV])
+def document_source(tmp_path_factory):
+    return write_short_documents(tmp_path_factory.mktemp("documents") / "short.jsonl")
+
+
+def documents_layout(layout: dict, source: str) -> dict:
+    return with_documents(layout, source, **layout.get("data", {}))
+
+
+def _cp2_rank(layouts, document_layouts):
+    return run_layouts(layouts), run_layouts(document_layouts), document_op_errors()
+
+
+def _four_rank(layouts):
+    return run_layouts(layouts), document_op_errors()
+
+
+@pytest.fixture(scope="module")
+def cp2_spawn(document_source):
+    documents = [documents_layout(l, document_source) for l in DOCUMENT_LAYOUTS + [DOCUMENT_BF16]]
+    return run_on_ranks(2, _cp2_rank, CP2_LAYOUTS, documents)
+
+
+@pytest.fixture(scope="module")
+def cp2_results(cp2_spawn):
+    return [runs for runs, _, _ in cp2_spawn]
+
+
+@pytest.fixture(scope="module")
+def four_rank_spawn():
+    return run_on_ranks(4, _four_rank, FOUR_RANK_LAYOUTS + [BF16, PP_ZBV])
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(four_rank_spawn):
+    return [runs for runs, _ in four_rank_spawn]
 
 
 @pytest.mark.parametrize("index", range(len(CP2_LAYOUTS)))
@@ -59,6 +109,44 @@ def test_four_ranks(four_rank_results, index):
     want = reference(layout)
     for rank, results in enumerate(four_rank_results):
         assert_same_run(results[index], want, label=f"{layout} rank {rank}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_document_masked_attention_cp2(cp2_spawn, method):
+    assert_document_ops_exact([errors for _, _, errors in cp2_spawn], method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_document_masked_attention_cp4(four_rank_spawn, method):
+    assert_document_ops_exact([errors for _, errors in four_rank_spawn], method)
+
+
+@pytest.mark.parametrize("index", range(len(DOCUMENT_LAYOUTS)))
+def test_document_mask_training(cp2_spawn, document_source, index):
+    layout = documents_layout(DOCUMENT_LAYOUTS[index], document_source)
+    want = reference(layout)
+    atol = DOCUMENT_TP_WEIGHT_ATOL if layout["parallel"].get("tp", 1) > 1 else 1e-5
+    for rank, (_, runs, _) in enumerate(cp2_spawn):
+        assert_same_run(runs[index], want, weight_atol=atol,
+                        label=f"document mask {DOCUMENT_LAYOUTS[index]} rank {rank}")
+
+
+def test_document_mask_changes_training(cp2_spawn, document_source):
+    """The mask does something on this corpus: every step's loss moves by more than 4x the 1e-5 the
+    layouts are held to (7e-5 at step 1, where attention is near uniform; 7e-4 after)."""
+    masked = reference(documents_layout({}, document_source))
+    plain = reference({"data": {"source": document_source}})
+    assert all(abs(a - b) > 4e-5 * b for a, b in zip(masked.losses, plain.losses))
+
+
+def test_document_mask_bf16_cp2_tracks_fp32(cp2_spawn, document_source):
+    """bf16 compute with document masking: within 2% of the fp32 single-process losses."""
+    want = reference(documents_layout({}, document_source))
+    for _, runs, _ in cp2_spawn:
+        got = runs[len(DOCUMENT_LAYOUTS)]
+        for step, (a, b) in enumerate(zip(got.losses, want.losses), 1):
+            assert abs(a - b) <= 0.02 * b, f"step {step}: bf16 {a} vs fp32 {b}"
+        assert got.losses != want.losses  # it really ran in bf16
 
 
 def test_bf16_cp2_dp2_tracks_fp32(four_rank_results):

@@ -12,6 +12,9 @@ from fivefold.validate import check_supported, validate
 
 # 4 experts of width 64 (aligned for torch._grouped_mm), top-2, in both layers of the tiny model.
 MOE = {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}
+# The tiny DeepSeek-V3 (MLA, 8 experts in 2 groups, a shared expert, bias balancing); 4 kv heads
+# so that tp can split MLA's heads.
+DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_kv_heads": 4}
 
 
 def moe_layout(parallel: dict, train: dict | None = None, **moe) -> dict:
@@ -31,10 +34,17 @@ TWO_RANKS = [
     # Recomputation repeats the all-to-alls inside backward; router statistics must not double.
     moe_layout({"dp": 2, "ep": 2}, {"recompute": "full", "micro_batch": 2}, capacity_factor=1.0),
     moe_layout({"dp": 2, "ep": 2}, {"recompute": "selective"}, balance="bias"),
+    moe_layout({"dp": 2, "ep": 2, "zero": 1}, {"eval_every": 3, "eval_batches": 2}, balance="bias"),  # held-out loss
     # Context parallelism splits each sequence: the per-sequence auxiliary loss adds its routing
     # statistics over the cp ranks (parallel/context.py).
     moe_layout({"cp": 2}),
     moe_layout({"cp": 2, "ep": 2}, score="sigmoid"),
+    # Tensor parallelism splits the tokens of each MoE layer (parallel/tensor.py): each tp rank
+    # routes its slice; the aux loss and capacity priority are those of the whole sequence.
+    moe_layout({"tp": 2}, capacity_factor=1.0),
+    moe_layout({"tp": 2, "ep": 2}, score="sigmoid", balance="bias"),  # ep borrowing tp
+    moe_layout({"tp": 2, "sp": False}, balance="bias", capacity_factor=1.0),  # split, then gathered
+    {"model": DEEPSEEK_V3, "parallel": {"tp": 2}},
 ]
 FOUR_RANKS = [
     moe_layout({"dp": 4, "ep": 4}),
@@ -49,6 +59,14 @@ FOUR_RANKS = [
     moe_layout({"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "1f1b"}, {"micro_batch": 1}, capacity_factor=1.0),
     moe_layout({"dp": 2, "pp": 2, "ep": 2, "zero": 1, "pp_schedule": "1f1b"}, {"micro_batch": 2},
                balance="bias"),
+    # ep borrowing tp: every rank holds one expert; the ep group spans dp x tp.
+    moe_layout({"dp": 2, "tp": 2, "ep": 4}),
+    moe_layout({"dp": 2, "tp": 2, "ep": 4, "zero": 3}, balance="bias", capacity_factor=1.0),
+    # ep over half of tp, no dp: tp ranks holding the same experts sum their gradients (edp = 2).
+    {"model": {"n_kv_heads": 4, "moe": {**MOE, "capacity_factor": 1.0}}, "parallel": {"tp": 4, "ep": 2}},
+    # Capacity priority over cp chunks cut into tp slices (models/moe.py NestedPieces).
+    moe_layout({"cp": 2, "tp": 2}, capacity_factor=1.0),
+    {"model": DEEPSEEK_V3, "parallel": {"dp": 4, "ep": 4}},
 ]
 
 
@@ -80,7 +98,7 @@ def four_rank_results():
 
 
 def _label(layout: dict) -> str:
-    return f"{layout['parallel']} {layout['model']['moe']} {layout.get('train', {})}"
+    return f"{layout['parallel']} {layout['model']} {layout.get('train', {})}"
 
 
 @pytest.mark.parametrize("index", range(len(TWO_RANKS)), ids=[_label(l) for l in TWO_RANKS])
@@ -97,11 +115,13 @@ def test_four_ranks(four_rank_results, index):
         assert_same_run(runs[index], want, label=f"{_label(FOUR_RANKS[index])} rank {rank}")
 
 
-@pytest.mark.parametrize("index", [4, 5, 2], ids=["dp2 tp2 ep2 zero1", "dp2 tp2 ep2 no-sp", "dp4 ep2 zero3"])
+@pytest.mark.parametrize("index", [4, 5, 2, 12, 13], ids=["dp2 tp2 ep2 zero1", "dp2 tp2 ep2 no-sp", "dp4 ep2 zero3",
+                                             "dp2 tp2 ep4 zero3", "tp4 ep2"])
 def test_planner_predicts_measured_moe_state(four_rank_results, index):
     """The planner's parameter / gradient / optimizer bytes per rank within 10% of what training
-    holds: MoE layers replicated over tp (router, shared and routed experts whole on each tp
-    rank), experts split over ep and their state sharded over the expert-data-parallel ranks."""
+    holds: MoE weights replicated over tp (router, shared and routed experts whole on each tp
+    rank), experts split over ep and their state sharded over the expert-data-parallel ranks
+    (dp·cp·tp/ep: the tp ranks holding the same experts shard them too)."""
     from fivefold.plan import plan_layout
     from fivefold.plan.layout import layout_from_config
 
@@ -162,7 +182,11 @@ def test_ledger_counts_all_to_all_volume(four_rank_results):
     ({"model": {"moe": {**MOE}}, "parallel": {"dp": 2, "ep": 4}},
      "parallel.ep=4 does not divide parallel.dp*cp*tp=2"),
     ({"model": {"moe": {**MOE, "top_k": 5}}}, "model.moe.top_k=5 must be between 1 and model.moe.n_experts=4"),
-    ({"model": {"moe": {**MOE, "capacity_factor": -1.0}}}, "model.moe.capacity_factor must be > 0, or 0"),
+    ({"model": {"moe": {**MOE, "capacity_factor": -1.0}}}, "model.moe.capacity_factor must be >= 0 (0 = dropless)"),
+    ({"model": {"moe": MOE}, "parallel": {"tp": 2, "sp": False}, "train": {"seq_len": 31}},
+     "train.seq_len=31 is not divisible by parallel.tp*cp=2: the MoE layers split"),
+    ({"model": {"moe": {**MOE, "capacity_factor": 1.0}}, "parallel": {"tp": 2, "cp": 2}, "train": {"seq_len": 36}},
+     "train.seq_len=36 is not divisible by 2*parallel.cp*tp=8"),
     ({"parallel": {"dp": 2, "ep": 2}}, "parallel.ep=2 needs an MoE model"),
 ])
 def test_bad_moe_settings_one_sentence(overrides, message):
@@ -173,12 +197,18 @@ def test_bad_moe_settings_one_sentence(overrides, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"model": {"moe": MOE}, "parallel": {"dp": 2, "tp": 2, "ep": 4}}, "parallel.ep=4 must divide parallel.dp*cp=2"),
-])
-def test_unsupported_moe_layouts_refused(overrides, message):
-    cfg = tiny_config(overrides)
-    validate(cfg)
-    with pytest.raises(ConfigError) as err:
-        check_supported(cfg)
-    assert message in str(err.value)
+def test_ep_borrowing_tp_is_supported():
+    """dp2·tp2·ep4 trains (FOUR_RANKS); the trainer no longer refuses it."""
+    cfg = tiny_config({"model": {"moe": MOE}, "parallel": {"dp": 2, "tp": 2, "ep": 4}})
+    validate(cfg, 4)
+    check_supported(cfg)
+
+
+def test_ep_groups_borrow_dp_cp_first_then_tp():
+    from fivefold.config import ParallelConfig
+    from fivefold.mesh import ParallelDims
+
+    dims = ParallelDims.from_config(ParallelConfig(dp=2, tp=2, ep=2))
+    assert dims.expert_groups() == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])  # ep over dp; edp over tp
+    dims = ParallelDims.from_config(ParallelConfig(dp=2, tp=2, ep=4))
+    assert dims.expert_groups() == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])

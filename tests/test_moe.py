@@ -94,6 +94,26 @@ def test_grouped_mm_matches_per_expert_loop_forward_and_backward():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_first_grouped_mm_inside_selective_recomputation():
+    """The grouped-matmul probe may first run inside a selectively recomputed block: its matmuls
+    must not be replayed in place of the block's own (a fresh process training an MoE model with
+    recompute = "selective" and no expert parallelism failed in backward with a shape mismatch)."""
+    from fivefold.parallel.recompute import _recomputed_selective
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(13, DIM, generator=gen, requires_grad=True)
+    ws = [torch.randn(4, *shape, generator=gen, requires_grad=True) for shape in
+          ((HIDDEN, DIM), (DIM, HIDDEN), (HIDDEN, DIM))]
+    counts = [5, 0, 6, 2]
+    moe_module._grouped_mm_works.cache_clear()
+    out = _recomputed_selective(lambda x: moe_module.grouped_swiglu(x, *ws, counts), x)
+    upstream = torch.randn(out.shape, generator=gen)
+    recomputed = torch.autograd.grad(out, [x, *ws], upstream)
+    plain = torch.autograd.grad(looped_swiglu(x, *ws, counts), [x, *ws], upstream)
+    for a, b in zip(recomputed, plain):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_fallback_when_grouped_mm_disabled(monkeypatch):
     layer = make_moe()
     x = inputs()

@@ -1,7 +1,8 @@
 """The planner against the Ultra-Scale Playbook's published runs (benchmarks/planner_accuracy.py).
 
-The goals of issue 9 are regression-guarded here: median tokens/s error <= 15%, fit/OOM right
->= 90%. Skipped where ../shared/data is not present (the CSV is not part of the repository)."""
+The goals of issue 20 are regression-guarded here (both calibration files; the numbers are in
+benchmarks/RESULTS.md, 2026-12-01). Skipped where ../shared/data is not present (the CSVs are not
+part of the repository)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("planner_accuracy", ROOT / "benchmarks" / "planner_accuracy.py")
 accuracy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(accuracy)
+
+# Issue 20's goals; the calibrated model meets them with almost no margin (RESULTS.md).
+BIG_RUNS_BOUND = 0.20
+SPEARMAN_BOUND = 0.85
 
 
 def test_nanotron_pipeline_split_follows_its_cost_thresholds():
@@ -32,11 +37,67 @@ def test_spearman():
 
 @pytest.mark.skipif(not accuracy.DEFAULT_CSV.is_file(), reason="published runs not available")
 def test_accuracy_goals_on_published_runs():
+    # Issue 20's targets (benchmarks/RESULTS.md, 2026-12-01), all reached, two only just:
+    # 11.6% (<= 12%), 19.97% on 32-64 nodes (<= 20%), Spearman 0.850 (>= 0.85), fit/OOM 93.2%.
     with accuracy.DEFAULT_CSV.open() as f:
         rows = list(csv.DictReader(f))
     summary = accuracy.summarize(accuracy.predict(rows))
     assert summary["ran"] == 1620
-    assert summary["median_tok_s_rel_error"] <= 0.15
-    assert summary["fit_prediction_right"] >= 0.90
+    assert summary["median_tok_s_rel_error"] <= 0.12
+    assert summary["tok_s_error_by_scale"]["32-64 nodes"]["median_tok_s_rel_error"] <= BIG_RUNS_BOUND
+    assert summary["fit_prediction_right"] >= 0.93
     assert summary["median_mem_rel_error"] <= 0.10
-    assert summary["spearman_median"] >= 0.75
+    assert summary["spearman_median"] >= SPEARMAN_BOUND
+
+
+@pytest.mark.skipif(not accuracy.TORCHTITAN_CSV.is_file(), reason="published runs not available")
+def test_accuracy_on_torchtitan_runs_fitted_and_held_out():
+    with accuracy.TORCHTITAN_CSV.open() as f:
+        rows = list(csv.DictReader(f))
+    pred = accuracy.titan_predict(rows)
+    summary = accuracy.titan_summarize(pred)
+    assert summary["median_tok_s_rel_error"] <= 0.12
+    assert accuracy.titan_summarize(pred[1::2])["median_tok_s_rel_error"] <= 0.15  # held out
+    assert summary["fit_prediction_right"] == 1.0  # every row ran
+    assert summary["spearman"] >= 0.85
+
+
+def _estimate(mbs, runtime, tp=1, layers=4, gpus_per_node=8):
+    from fivefold.plan.estimate import estimate
+    from fivefold.plan.hardware import hardware_for
+    from fivefold.plan.layout import Layout
+
+    work = accuracy.workload_for("1B")
+    return estimate(work, Layout(dp=8, tp=tp, mbs=mbs, zero=1), hardware_for("h100", gpus_per_node), runtime)
+
+
+def test_launch_overhead_shows_only_where_kernels_are_short():
+    import dataclasses
+
+    from fivefold.plan.hardware import FIVEFOLD_EAGER
+
+    slow_host = dataclasses.replace(FIVEFOLD_EAGER, launch_s=100e-6)  # 11 ms of launches per layer
+    short = _estimate(1, slow_host)  # 1 sequence per micro-batch: a layer's kernels take ~4 ms
+    long = _estimate(16, slow_host)  # 16 sequences: ~60 ms per layer, launches hidden
+    assert short.time_parts["host"] > 0
+    assert long.time_parts["host"] == 0
+    # the default eager profile hides its launches even at 1 sequence of 4096 tokens
+    assert _estimate(1, FIVEFOLD_EAGER).time_parts["host"] == 0
+
+
+def test_only_the_nanotron_profile_has_the_large_cluster_stall():
+    from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER, NANOTRON_RUNTIME
+
+    assert FIVEFOLD_EAGER.slot_stall_s == FIVEFOLD_COMPILED.slot_stall_s == 0
+    assert FIVEFOLD_EAGER.pp_cross_node_wait_per_tp_peer_s == 0
+    assert NANOTRON_RUNTIME.slot_stall_s > 0
+    assert "stall" not in _estimate(1, FIVEFOLD_EAGER).time_parts
+
+
+def test_every_prediction_carries_its_uncertainty_band():
+    from fivefold.plan.hardware import FIVEFOLD_EAGER
+
+    est = _estimate(2, FIVEFOLD_EAGER)
+    band = est.to_json()["tokens_per_sec_band"]
+    assert (band["median_rel_error"], band["p90_rel_error"]) == FIVEFOLD_EAGER.tokens_per_sec_error
+    assert band["p90_low"] < est.tokens_per_sec_per_gpu < band["p90_high"]

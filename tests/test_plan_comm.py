@@ -29,7 +29,7 @@ TWO_RANKS = {
     "pp2 interleaved": {"model": FOUR_LAYERS, "parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b",
                                                            "pp_virtual": 2}, "train": {"micro_batch": 2}},
     "dp2 ep2": {"model": {"moe": MOE}, "parallel": {"dp": 2, "ep": 2}},
-    # MoE layers run replicated over tp: 2 gathers per MoE layer with sp, none without
+    # MoE layers route each tp rank's own tokens: no collective with sp, 2 gathers without
     "moe tp2": {"model": {"moe": MOE}, "parallel": {"tp": 2}},
     "moe tp2 no-sp": {"model": {"moe": MOE}, "parallel": {"tp": 2, "sp": False}},
     # Qwen3's queries are wider than the stream (4 heads x 48 = 192 > dim 64): Ulysses moves q and
@@ -45,7 +45,7 @@ FOUR_RANKS = {
     "cp4 ring": {"parallel": {"cp": 4}},
     "tp2 pp2": {"model": FOUR_LAYERS, "parallel": {"tp": 2, "pp": 2}, "train": {"micro_batch": 2}},
     "tp2 cp2": {"parallel": {"tp": 2, "cp": 2}},
-    "moe dp2 tp2 ep2": {"model": {"moe": MOE}, "parallel": {"dp": 2, "tp": 2, "ep": 2}},  # each tp rank routes all tokens
+    "moe dp2 tp2 ep2": {"model": {"moe": MOE}, "parallel": {"dp": 2, "tp": 2, "ep": 2}},  # each tp rank routes its own tokens
 }
 
 
@@ -92,3 +92,36 @@ def test_planned_traffic_equals_the_ledger(measured, label):
         want = predicted[dim]
         assert want > 0, (label, dim)
         assert abs(got - want) <= 0.01 * want, f"{label} {dim}: planned {want:,.0f}, ledger {got:,.0f}"
+
+
+# ------------------------------------------------- collective time by message size, tier and nodes
+# Pure model checks (no ranks): latency + size / bandwidth, NVLink inside a node, NICs across, and
+# effective bandwidth falling with the nodes a group spans (plan/comm.py, Hardware.fabric_nodes).
+
+def _h100():
+    from fivefold.plan.hardware import hardware_for
+    return hardware_for("h100")
+
+
+def test_small_collectives_are_latency_bound_and_large_ones_bandwidth_bound():
+    from fivefold.plan.comm import Link, gather_time
+
+    hw, link = _h100(), Link(8, 8)
+    small, large = gather_time(1e3, link, hw), gather_time(1e9, link, hw)
+    assert small == pytest.approx(7 * hw.intra_latency_s, rel=0.01)  # 7 ring steps, no bytes to speak of
+    bandwidth_part = 7 / 8 * 1e9 / hw.intra_bw
+    assert large == pytest.approx(bandwidth_part + 7 * hw.intra_latency_s, rel=1e-9)
+    assert bandwidth_part > 0.9 * large  # 1 GB: the bytes, not the hops, set the time
+
+
+def test_crossing_nodes_costs_the_network_tier_and_falls_with_node_count():
+    from fivefold.plan.comm import Link, all_reduce_time
+
+    hw, nbytes = _h100(), 4e9
+    inside = all_reduce_time(nbytes, Link(8, 8), hw)
+    across = [all_reduce_time(nbytes, Link(8 * k, 8), hw) for k in (2, 8, 64)]
+    assert inside < across[0]  # NVLink 360 GB/s against 8 NICs x 40 GB/s, and IB hops
+    assert across[0] < across[1] < across[2]  # the ring spans more nodes: spine traffic
+    # 64 nodes: bandwidth down by 1 + 63 / fabric_nodes against one node's NICs
+    per_byte = 2 * (511 / 512) * nbytes / (8 * hw.nic_bw)
+    assert across[2] - 2 * 511 * hw.inter_latency_s == pytest.approx(per_byte * (1 + 63 / hw.fabric_nodes), rel=1e-6)

@@ -161,11 +161,13 @@ def test_fivefold_recipe_last_rank_keeps_fp32_log_softmax_and_its_gradient_is_tr
     layer = 2 * (2 * h * 4 + 4 + h * 2) + (2 * h + 2 * kv) * 2 + 32 * 4 + 4 * f * 2
     assert fivefold_layer_bytes(w.stats, 0, layout, 4096, "none", w.precision, True) == layer
     rope = 2 * 4 * 4096 * 128  # per micro-batch: fp32 cos and sin, seq x head_dim
-    assert m_first.activations == pytest.approx(2 * (16 * layer * 4096 + rope))
+    # + the stage outputs 1f1b still holds for sending (three fp32 outputs, parallel/pipeline.py)
+    assert m_first.activations == pytest.approx(2 * (16 * layer * 4096 + rope) + 3 * 4096 * 4096 * 4)
     final_norm = (2 * h * 4 + 4 + h * 2) * 4096
     labels = 8 * 4096  # int64
     assert m_last.activations == pytest.approx(16 * layer * 4096 + rope + final_norm
-                                               + 4096 * 128256 * 4 + labels)
+                                               + 4096 * 128256 * 4 + labels
+                                               + 4096 * 128256 * 2)  # the newest bf16 logits
     assert m_last.other - m_first.other == pytest.approx(4096 * 128256 * (4 + 2), rel=0.05)
 
 

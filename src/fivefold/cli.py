@@ -33,6 +33,9 @@ def _train_parser() -> _Parser:
     parser.add_argument("--rdzv", default="", metavar="HOST:PORT", help="node 0's address, where the launchers meet")
     parser.add_argument("--rdzv-id", default="fivefold", metavar="ID", help="the job's rendezvous id")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the rank map only")
+    parser.add_argument("--sweep", type=int, default=0, metavar="K",
+                        help="with --parallel.auto: train the planner's top K layouts a few steps each "
+                             "and keep the fastest measured")
     return parser
 
 
@@ -90,11 +93,61 @@ def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
+def _auto_layout(own, args: list[str], config_path: str | None, overrides: list[str],
+                 free: frozenset[str], torchrun: bool) -> list[str]:
+    """--parallel.auto / KEY auto: the planner's choice for this job, printed, as overrides."""
+    import os
+
+    from fivefold.plan import auto
+    from fivefold.plan.hardware import DEFAULT_RUNTIME
+    from fivefold.validate import check_supported
+
+    if own.sweep < 0 or (own.sweep and (torchrun or own.nnodes > 1 or own.dry_run)):
+        raise ConfigError(f"--sweep {own.sweep}: give a count >= 1, and use it only on one machine's "
+                          "local ranks (not under torchrun, --nnodes > 1 or --dry-run)")
+    cfg = load_config(config_path, overrides)
+    if torchrun:  # every rank plans the same (a pure function of the config and world); rank 0 prints
+        world, per_node = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    elif own.dry_run and not any(a.startswith("--nproc") for a in args):
+        raise ConfigError("--dry-run with --parallel.auto needs --nproc N: the planner chooses for a world size")
+    else:
+        world, per_node = own.nproc * own.nnodes, own.nproc
+    if world < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {own.nproc}")
+    import torch
+
+    # This rank's own GPU (under torchrun), so that no rank touches another's device.
+    device = (torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+              if torch.cuda.is_available() else None)
+    hw, why = auto.job_hardware(cfg, per_node, device)
+    choice = auto.choose(cfg, world, hw, DEFAULT_RUNTIME, free, check=check_supported, keep=own.sweep)
+    best = choice.best
+    speaks = int(os.environ.get("RANK", 0)) == 0 and own.node_rank == 0
+    if speaks:
+        print(auto.describe(choice, why), flush=True)
+    if own.sweep:
+        from fivefold.plan.sweep import measure
+
+        top = choice.valid[:own.sweep]
+        print(f"measuring the top {len(top)} layouts a few steps each on this machine ...", flush=True)
+        measured = [(est, measure(auto.sweep_config(cfg), est.layout)) for est in top]
+        best, table = auto.keep_fastest(measured)
+        print(table, flush=True)
+    return [*overrides, *auto.as_overrides(best.layout, choice.free)]
+
+
 def cmd_train(args: list[str]) -> int:
     parser = _train_parser()
     own, rest = parser.parse_known_args(args)
     config_path, overrides = _split_config(rest)
+    from fivefold.plan.auto import split_auto
     from fivefold.train.launch import launch_local, launched_by_torchrun, worker
+
+    # The auto values are not config values: the planner turns them into ordinary overrides.
+    overrides, free = split_auto(overrides)
+    if own.sweep and not free:
+        raise ConfigError(f"--sweep {own.sweep} measures the planner's top layouts: add --parallel.auto true "
+                          "(or give a layout key the value auto, e.g. --parallel.pp auto)")
 
     if own.nnodes > 1:
         if not own.rdzv:
@@ -104,6 +157,8 @@ def cmd_train(args: list[str]) -> int:
             raise ConfigError(f"--node-rank must be between 0 and --nnodes-1={own.nnodes - 1}, got {own.node_rank}")
         # Each launcher is one node: the rank map and the tp-crossing warning count nodes by it.
         overrides = [*overrides, "--parallel.gpus_per_node", str(own.nproc)]
+    if free:
+        overrides = _auto_layout(own, args, config_path, overrides, free, launched_by_torchrun())
     if own.dry_run:
         cfg = load_config(config_path, overrides)
         p = cfg.parallel  # without --nproc: the config's own world, as `fivefold layout` does

@@ -5,7 +5,8 @@ A key's help is, in this order: its field metadata `help` (`field(default=..., m
 the comment at the end of its line in config.py, the comment block just above it, or, for the
 self-explanatory keys config.py leaves uncommented, the line in `UNCOMMENTED` below. Reading the
 comments keeps config.py as it is (one place to explain a key); tests/test_cli_help.py checks
-that every key has a help line and that `UNCOMMENTED` names only keys with no comment.
+that every key has a help line and that `UNCOMMENTED` names only keys with no comment. A number's
+help ends with the values its declaration accepts (`checked(...)`, config_checks.py), e.g. `; > 0`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from fivefold.config import Config
 COMMANDS = {
     "train": ("train a model on local ranks (--nproc N) or under torchrun", """\
   fivefold train [CONFIG] [--nproc N] [--max-restarts K] [--dry-run] [--section.key VALUE ...]
-  fivefold train [CONFIG] --nproc N --nnodes M --node-rank R --rdzv HOST:PORT [...]   (one per node)"""),
+  fivefold train [CONFIG] --nproc N --nnodes M --node-rank R --rdzv HOST:PORT [...]   (one per node)
+  fivefold train [CONFIG] --nproc N --parallel.auto true [--sweep K]   (the planner picks the layout;
+                 or one key at a time: --parallel.pp auto, --train.micro_batch auto, ...)"""),
     "config": ("print the resolved config (defaults < preset < CONFIG < overrides)",
                "  fivefold config show [CONFIG] [--section.key VALUE ...]"),
     "layout": ("print the rank map: which rank holds which layers, heads and experts", """\
@@ -50,7 +53,6 @@ COMMANDS = {
 
 # Help for the keys config.py leaves without a comment (their names say most of it).
 UNCOMMENTED = {
-    "model.moe.top_k": "experts each token is routed to",
     "model.moe.n_shared_experts": "experts every token goes through, beside the routed ones",
     "model.moe.first_dense": "the first N layers stay dense",
     "model.moe.aux_loss_coeff": "weight of the load-balancing auxiliary loss (balance = aux_loss)",
@@ -165,8 +167,16 @@ def config_sections(cls=Config, section: str = "") -> list[tuple[str, str, list[
         if dataclasses.is_dataclass(hints[f.name]):
             nested += config_sections(hints[f.name], dotted)
         else:
-            rows.append((dotted, _as_typed(_default(f)), key_help(cls, f.name, dotted)))
+            rows.append((dotted, _as_typed(_default(f)), _with_range(key_help(cls, f.name, dotted), f)))
     return ([(section, _source_comments(cls)[1], rows)] if rows else []) + nested
+
+
+def _with_range(help: str, f: dataclasses.Field) -> str:
+    """The help and, for a number, the values it accepts (its declaration in config.py)."""
+    check = f.metadata.get("check")
+    if check is None or check.choices:  # choices: the help comment lists them already
+        return help
+    return f"{help}; {check.accepts()}" if help else check.accepts()
 
 
 def _default(f: dataclasses.Field):

@@ -77,20 +77,43 @@ class ParallelDims:
     def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
         """(ep groups, expert-data-parallel groups).
 
-        ep borrows ranks from dp·cp: each row of data/context-parallel peers (in mesh order) is cut
-        into consecutive blocks of ep ranks, which split the experts among them; the ranks at the
-        same place of every block hold the same experts and reduce or shard their gradients
-        together (the expert-data-parallel group, dp·cp/ep ranks)."""
+        ep borrows ranks from dp·cp, and from tp (Megatron's expert-parallel folding): the MoE
+        layers route a different slice of the tokens on each tp rank (parallel/tensor.py), so at
+        an MoE layer the dp·cp·tp ranks of a pipeline stage all hold different tokens. Their row
+        (tp outermost, then dp·cp in mesh order) is cut into consecutive blocks of ep ranks, which
+        split the experts among them: ep takes dp·cp ranks first, as without tp, and tp ranks only
+        once ep exceeds dp·cp. The ranks at the same place of every block hold the same experts
+        and reduce or shard their gradients together (the expert-data-parallel group,
+        dp·cp·tp/ep ranks: tp ranks holding the same experts add their tokens' partial gradients
+        there)."""
         ep_groups, edp_groups = [], []
-        for row in self.groups(*self.token_dims):
-            ep_groups += [row[i:i + self.ep] for i in range(0, len(row), self.ep)]
-            edp_groups += [row[j::self.ep] for j in range(self.ep)]
+        for blocks in self._expert_blocks():
+            ep_groups += blocks
+            # Ascending too (tp outermost interleaves them, e.g. [0, 4, 1, 5]): FSDP2 picks a rank's
+            # shard by its process-group rank, DTensor by its place in the mesh; they must agree.
+            edp_groups += [sorted(block[j] for block in blocks) for j in range(self.ep)]
         return ep_groups, edp_groups
+
+    def _expert_blocks(self) -> list[list[list[int]]]:
+        """Per row of `expert_groups`, its ep blocks, each in ascending rank order: a process
+        group numbers its ranks so, and a rank's place in its block says which experts it holds."""
+        rows = self.groups(*self.expert_token_dims)
+        return [[sorted(row[i:i + self.ep]) for i in range(0, len(row), self.ep)] for row in rows]
 
     @property
     def token_dims(self) -> list[str]:
         """Mesh dimensions whose ranks hold different tokens of a step (and the same weights)."""
         return [n for n, _ in self.mesh_dims if n in ("dp_replicate", "dp_shard", "cp")]
+
+    @property
+    def expert_token_dims(self) -> list[str]:
+        """The same at an MoE layer, tp outermost (see `expert_groups`)."""
+        return ["tp", *self.token_dims]
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks holding the same experts (1 without expert parallelism: no expert group)."""
+        return self.dp * self.cp * self.tp // self.ep if self.ep > 1 else 1
 
     def coordinates(self, rank: int) -> dict[str, int]:
         where = np.argwhere(self.rank_grid() == rank)[0]
@@ -116,17 +139,16 @@ class ParallelDims:
                      "dp_cp": root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
                      "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp")}
         if self.ep > 1:
-            # A second mesh over the same ranks: (other dims, expert-data-parallel, ep).
             import torch
             from torch.distributed.device_mesh import DeviceMesh
 
             import torch.distributed as dist
 
-            rows = np.array(self.groups(*self.token_dims)).reshape(-1, self.dp * self.cp // self.ep, self.ep)
-            experts = DeviceMesh(device_type, torch.tensor(rows), mesh_dim_names=("ep_rest", "edp", "ep"))
+            # A second mesh over the same ranks: one row per expert-data-parallel group.
+            ep_groups, edp_groups = self.expert_groups()
+            experts = DeviceMesh(device_type, torch.tensor(edp_groups), mesh_dim_names=("edp_rest", "edp"))
             # The ep group gets a process group of its own even when it spans the world (a mesh would
             # reuse the world group), so the ledger can tell all-to-all traffic from dp traffic.
-            ep_groups, _ = self.expert_groups()
             mine, _ = dist.new_subgroups_by_enumeration(ep_groups)
             my_ranks = next(g for g in ep_groups if dist.get_rank() in g)
             ep_mesh = DeviceMesh.from_group(mine, device_type, mesh=my_ranks, mesh_dim_names=("ep",))

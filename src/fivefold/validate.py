@@ -1,18 +1,21 @@
 """`validate(config, world_size)`: every check that can be made before a process group exists.
 
-Each failure is one sentence naming the key(s) and the fix. Checks run in a fixed order so the
+Each failure is one sentence naming the key(s) and the fix. A key's own range and choices are
+declared beside it in config.py (`checked(...)`) and checked first; the rules here tie keys
+together, or look at files (data, tokenizer, run folders). Checks run in a fixed order so the
 first problem reported is the most basic one (a bad value before a bad combination).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import tempfile
 from pathlib import Path
 
-from fivefold.config import Config, ConfigError
+from fivefold.config import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ConfigError  # noqa: F401 - re-exported
+from fivefold.config_checks import check_fields
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "zbv", "dualpipev")
-CP_METHODS = ("ring", "allgather", "ulysses")
-BACKENDS = ("auto", "nccl", "gloo", "cpu:gloo,cuda:nccl")  # torch.distributed names; auto: runtime.py
 DIMS = ("pp", "dp", "cp", "tp")
 
 
@@ -42,9 +45,6 @@ def _divides(key: str, degree: int, what: str, amount: int) -> None:
 
 def _check_model(cfg: Config) -> None:
     m = cfg.model
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-                "rope_theta", "norm_eps"):
-        _positive(f"model.{key}", getattr(m, key))
     from fivefold.models.registry import FAMILIES
 
     _one_of("model.family", m.family, FAMILIES)
@@ -55,26 +55,21 @@ def _check_model(cfg: Config) -> None:
     _positive("model.head_dim", m.head_dim)
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE; set model.head_dim "
              "(or change model.dim or model.n_heads)")
-    _require(m.rope_scaling >= 0, f"model.rope_scaling must be >= 0 (0 = off), got {m.rope_scaling}")
+    if m.rope_scaling > 0:  # Llama 3.1 interpolates between the two factors' wavelengths: they need an order
+        _require(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor="
+                 f"{m.rope_high_freq_factor} must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} "
+                 "(Llama 3.1 uses 4 and 1)")
     e = m.moe
-    if e.n_experts < 0:
-        raise ConfigError(f"model.moe.n_experts must be >= 0 (0 = dense), got {e.n_experts}")
     if e.n_experts > 0:
         _require(1 <= e.top_k <= e.n_experts,
                  f"model.moe.top_k={e.top_k} must be between 1 and model.moe.n_experts={e.n_experts}")
-        _one_of("model.moe.score", e.score, ("softmax", "sigmoid"))
-        _one_of("model.moe.balance", e.balance, ("aux_loss", "bias", "none"))
-        _require(e.capacity_factor >= 0, "model.moe.capacity_factor must be > 0, or 0 for dropless; "
-                 f"got {e.capacity_factor}")
-        _positive("model.moe.every", e.every)
-        _require(0 <= e.first_dense < m.n_layers, f"model.moe.first_dense={e.first_dense} must be "
+        _require(e.first_dense < m.n_layers, f"model.moe.first_dense={e.first_dense} must be "
                  f"between 0 and model.n_layers-1={m.n_layers - 1}")
         _check_dense_layers(e.dense_layers, m.n_layers)
         _check_group_routing(e)
 
 
 def _check_group_routing(e) -> None:
-    _positive("model.moe.n_group", e.n_group)
     _divides("model.moe.n_group", e.n_group, "model.moe.n_experts", e.n_experts)
     _require(1 <= e.topk_group <= e.n_group, f"model.moe.topk_group={e.topk_group} must be between 1 and "
              f"model.moe.n_group={e.n_group}")
@@ -82,8 +77,6 @@ def _check_group_routing(e) -> None:
     _require(e.top_k <= reachable, f"model.moe.top_k={e.top_k} exceeds the {reachable} experts of "
              f"model.moe.topk_group={e.topk_group} groups of model.moe.n_experts/n_group="
              f"{e.n_experts // e.n_group}; raise model.moe.topk_group or lower model.moe.top_k")
-    _require(e.routed_scaling_factor > 0, f"model.moe.routed_scaling_factor must be > 0, got "
-             f"{e.routed_scaling_factor}")
 
 
 def _check_latent_attention(m) -> None:
@@ -98,8 +91,6 @@ def _check_latent_attention(m) -> None:
         return
     for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
         _positive(f"model.{key}", mla[key])
-    for key in ("q_lora_rank", "qk_nope_head_dim"):
-        _require(mla[key] >= 0, f"model.{key} must be >= 0, got {mla[key]}")
     _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     _require(m.head_dim == qk, f"model.head_dim={m.head_dim} must be the q/k head dim model.qk_nope_head_dim"
@@ -108,10 +99,8 @@ def _check_latent_attention(m) -> None:
              "latent attention expands keys and values for every head")
     _require(m.rope_scaling == 0, f"model.rope_scaling={m.rope_scaling} (Llama 3.1 RoPE) is not available in "
              "model.family=deepseek_v3; use model.rope_yarn_factor, or set model.rope_scaling=0")
-    _require(m.rope_yarn_factor >= 0, f"model.rope_yarn_factor must be >= 0 (0 = off), got {m.rope_yarn_factor}")
     if m.rope_yarn_factor > 0:
-        _positive("model.rope_original_max_seq_len", m.rope_original_max_seq_len)
-        _require(m.rope_yarn_beta_fast > m.rope_yarn_beta_slow > 0, "model.rope_yarn_beta_fast="
+        _require(m.rope_yarn_beta_fast > m.rope_yarn_beta_slow, "model.rope_yarn_beta_fast="
                  f"{m.rope_yarn_beta_fast} must exceed model.rope_yarn_beta_slow={m.rope_yarn_beta_slow} > 0")
 
 
@@ -124,35 +113,16 @@ def _check_dense_layers(text: str, n_layers: int) -> None:
 
 def _check_train(cfg: Config) -> None:
     t, m = cfg.train, cfg.model
-    for key in ("steps", "seq_len", "global_batch", "lr"):
-        _positive(f"train.{key}", getattr(t, key))
-    _require(t.micro_batch >= 0, f"train.micro_batch must be >= 0 (0 = whole per-rank batch), got {t.micro_batch}")
-    _require(t.warmup >= 0, f"train.warmup must be >= 0, got {t.warmup}")
-    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be between 0 and 1, got {t.min_lr_ratio}")
-    _require(0 < t.decay_fraction <= 1, f"train.decay_fraction must be in (0, 1], got {t.decay_fraction}")
-    _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {t.grad_clip}")
-    _require(t.eval_every >= 0, f"train.eval_every must be >= 0 (0 = off), got {t.eval_every}")
-    _one_of("train.schedule", t.schedule, ("cosine", "wsd", "constant"))
-    _one_of("train.dtype", t.dtype, ("fp32", "bf16"))
-    _one_of("train.recompute", t.recompute, ("none", "selective", "full"))
     _require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len="
              f"{m.max_seq_len}; lower train.seq_len or raise model.max_seq_len")
 
 
 def _check_parallel(cfg: Config, world_size: int | None) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    for key in ("dp", "tp", "pp", "cp", "ep", "pp_virtual", "timeout_s", "gpus_per_node"):
-        _positive(f"parallel.{key}", getattr(p, key))
-    _require(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} is outside 0-3 (0 replicate, 1 shard "
-             "optimizer state, 2 also gradients, 3 also parameters)")
-    _require(p.dp_shard >= 0, f"parallel.dp_shard must be >= 0 (0 = all of dp), got {p.dp_shard}")
     if p.dp_shard:
         _divides("parallel.dp_shard", p.dp_shard, "parallel.dp", p.dp)
         _require(p.dp_shard == p.dp or p.zero > 0, "parallel.dp_shard < parallel.dp (HSDP) needs "
                  "parallel.zero >= 1: there is nothing to shard at zero 0")
-    _one_of("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
-    _one_of("parallel.cp_method", p.cp_method, CP_METHODS)
-    _one_of("parallel.backend", p.backend, BACKENDS)
     order = [d.strip() for d in p.order.split(",")]
     _require(sorted(order) == sorted(DIMS), f"parallel.order='{p.order}' must name each of "
              f"{', '.join(DIMS)} once, outermost first (e.g. 'pp,dp,cp,tp')")
@@ -201,6 +171,20 @@ def _check_parallel(cfg: Config, world_size: int | None) -> None:
         if world_size is not None:  # a launch: the degrees are final (`config show` may set ep alone)
             # ep borrows its ranks from dp·cp, and may borrow tp.
             _divides("parallel.ep", p.ep, "parallel.dp*cp*tp", p.dp * p.cp * p.tp)
+    if m.moe.n_experts > 0 and p.tp > 1:
+        # MoE layers route a 1/tp slice of each rank's sequence on each tp rank (parallel/tensor.py);
+        # with sequence parallelism that is the stream's own split, checked above.
+        _require(t.seq_len % (p.tp * p.cp) == 0, f"train.seq_len={t.seq_len} is not divisible by "
+                 f"parallel.tp*cp={p.tp * p.cp}: the MoE layers split each rank's sequence over the tp "
+                 "ranks; change train.seq_len or parallel.tp")
+        if p.cp > 1 and m.moe.capacity_factor > 0:
+            # Capacity ranks assignments by position in the whole sequence, counted per piece:
+            # each of the 2·cp context-parallel chunks cut into tp equal pieces (models/moe.py).
+            n = 2 * p.cp * p.tp
+            _require(t.seq_len % n == 0, f"train.seq_len={t.seq_len} is not divisible by 2*parallel.cp*tp={n}, "
+                     "which model.moe.capacity_factor > 0 needs under both context and tensor parallelism "
+                     "(each of the 2*cp chunks is cut into tp pieces); change train.seq_len, or set "
+                     "model.moe.capacity_factor=0 (dropless)")
 
 
 
@@ -220,9 +204,21 @@ def _check_pipeline(cfg: Config) -> None:
     elif name in V_SCHEDULES:
         _require(v == 2, f"parallel.pp_schedule='{name}' runs two stages per rank in a V, so "
                  f"parallel.pp_virtual must be 2, got {v}")
+        # torch 2.13's V schedules run backward actions in their forward-only eval() too.
+        _require(not t.eval_every, f"train.eval_every={t.eval_every} cannot evaluate under "
+                 f"parallel.pp_schedule='{name}' (torch's V schedules have no forward-only run); use "
+                 "'zb', '1f1b' or 'interleaved_1f1b', or set train.eval_every = 0")
     else:
         _require(v >= 2, f"parallel.pp_schedule='{name}' interleaves virtual stages: set "
                  f"parallel.pp_virtual >= 2 (got {v}), or use '1f1b'")
+    from fivefold.plan.layout import SPLIT_BACKWARD_SCHEDULES
+
+    # The weight pass backwards through each block a second time, which torch's selective
+    # activation checkpointing refuses ("backward an extra time") inside the step.
+    _require(not (name in SPLIT_BACKWARD_SCHEDULES and t.recompute == "selective"),
+             f"parallel.pp_schedule='{name}' splits each backward into an input and a weight pass, which "
+             "PyTorch's selective recomputation cannot run twice over one block; use train.recompute = "
+             "'full' or 'none' with it, or pp_schedule '1f1b' or 'interleaved_1f1b' with 'selective'")
     n_stages = p.pp * v
     _require(n_stages <= m.n_layers, f"parallel.pp*pp_virtual = {n_stages} stages exceed model.n_layers="
              f"{m.n_layers}; every stage needs at least one layer")
@@ -255,24 +251,44 @@ def _check_pipeline(cfg: Config) -> None:
 
 def _check_data(cfg: Config) -> None:
     d, m = cfg.data, cfg.model
-    _require(0 <= d.val_fraction < 0.5, f"data.val_fraction must be in [0, 0.5), got {d.val_fraction}")
     if d.mix or (Path(d.source) / "manifest.json").is_file():  # a prepared folder (token_shards.py)
         _check_prepared_data(cfg)
         return
     if d.source != "builtin":
         _require(Path(d.source).exists(), f"data.source '{d.source}' does not exist; give a text/jsonl/"
                  "parquet file or folder, or 'builtin'")
+        if d.document_mask and Path(d.source).is_file() and Path(d.source).suffix not in (".jsonl", ".parquet"):
+            check_documents(f"data.source '{d.source}'", 1)  # before any process starts (train/data.py)
     if d.tokenizer == "byte":
         _require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size} is too small for the byte "
                  "tokenizer; it needs at least 256")
     else:
         _require(Path(d.tokenizer).is_file(), f"data.tokenizer '{d.tokenizer}' is not a file; give a "
                  "Hugging Face tokenizer.json or 'byte'")
-        from tokenizers import Tokenizer
-
-        n_tokens = Tokenizer.from_file(d.tokenizer).get_vocab_size()
+        n_tokens = _tokenizer_size(d.tokenizer)
         _require(n_tokens <= m.vocab_size, f"the tokenizer has {n_tokens} tokens but model.vocab_size="
                  f"{m.vocab_size}; raise model.vocab_size to at least {n_tokens}")
+
+
+def check_documents(what: str, n_documents: int) -> None:
+    """Document masking needs a corpus of several documents; one sentence otherwise."""
+    if n_documents < 2:
+        raise ConfigError(f"data.document_mask = true needs documents to keep attention inside, but {what} "
+                          f"holds {n_documents} document{'' if n_documents == 1 else 's'} (a text file is one "
+                          "document); use a .jsonl or .parquet file (one document per line or row), a folder "
+                          "of files or a prepared folder, or set data.document_mask = false")
+
+
+def _tokenizer_size(path: str) -> int:
+    """The vocabulary of a tokenizer.json; one sentence when the file is not one."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path).get_vocab_size()
+    except Exception as err:  # tokenizers raises plain Exceptions for unreadable or foreign files
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"data.tokenizer '{path}' is not a Hugging Face tokenizer.json ({reason}); give the "
+                          "tokenizer.json of a model (its folder holds one) or 'byte'") from None
 
 
 def _check_prepared_data(cfg: Config) -> None:
@@ -283,13 +299,19 @@ def _check_prepared_data(cfg: Config) -> None:
     d, m = cfg.data, cfg.model
     _require(not d.mix or d.source == "builtin", f"data.mix and data.source='{d.source}' are both set; "
              "give the folders and their weights in data.mix alone")
-    folders = [folder for folder, _ in parse_mix(d.mix)] if d.mix else [d.source]
+    weights = parse_mix(d.mix) if d.mix else []
+    _require(all(math.isfinite(w) for _, w in weights), f"data.mix='{d.mix}' has a weight that is not a "
+             "finite number; give each folder a weight > 0, e.g. \"web:0.7,code:0.3\"")
+    folders = [folder for folder, _ in weights] if d.mix else [d.source]
     tokenizers = {}
     for folder in folders:
         key = "data.mix" if d.mix else "data.source"
         _require(Path(folder).is_dir(), f"{key} folder '{folder}' does not exist; make it with "
                  f"`fivefold prepare SRC --out {folder}`")
-        tokenizer = read_manifest(folder)["tokenizer"]
+        manifest = read_manifest(folder)
+        if d.document_mask:
+            check_documents(f"{key} folder '{folder}'", manifest["documents"])
+        tokenizer = manifest["tokenizer"]
         _require(tokenizer["vocab_size"] <= m.vocab_size, f"'{folder}' was prepared with a tokenizer of "
                  f"{tokenizer['vocab_size']} tokens but model.vocab_size={m.vocab_size}; raise model.vocab_size "
                  f"to at least {tokenizer['vocab_size']}")
@@ -301,13 +323,37 @@ def _check_prepared_data(cfg: Config) -> None:
 
 def _check_checkpoint(cfg: Config) -> None:
     c = cfg.checkpoint
-    _require(c.every >= 0, f"checkpoint.every must be >= 0 (0 = never), got {c.every}")
-    _require(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
     _require(c.resume in ("none", "auto") or Path(c.resume).exists(),
              f"checkpoint.resume='{c.resume}' must be none, auto, or an existing checkpoint folder")
     _require(c.every == 0 or c.dir or cfg.log.dir, "checkpoint.every > 0 needs checkpoint.dir or log.dir "
              "to say where checkpoints go")
-    _require(cfg.train.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got {cfg.train.max_bad_steps}")
+
+
+def _check_run_folders(cfg: Config) -> None:
+    c = cfg.checkpoint
+    _check_writable_dir("log.dir", cfg.log.dir)
+    if c.dir:
+        _check_writable_dir("checkpoint.dir", c.dir)
+    elif cfg.log.dir and c.every:
+        _check_writable_dir("checkpoint.dir (empty: <log.dir>/checkpoints)", str(Path(cfg.log.dir) / "checkpoints"))
+
+
+def _check_writable_dir(key: str, text: str) -> None:
+    """A run folder fivefold writes into: a folder, or creatable inside a writable one. Writing is
+    tried (a temporary file, removed at once): permissions alone do not tell, e.g. for root or a
+    read-only mount."""
+    if not text:
+        return
+    path = Path(text)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    fix = f"give {key.split(' ')[0]} a folder fivefold may create and write"
+    _require(existing.is_dir(), f"{key}='{text}' is a file, not a folder; {fix}" if existing == path else
+             f"{key}='{text}' cannot be created: '{existing}' is a file; {fix}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{key}='{text}' is not writable ('{existing}': {err.strerror}); {fix}") from None
 
 
 def ignored_options(p) -> dict[str, str]:
@@ -335,11 +381,15 @@ def ignored_note(cfg: Config) -> str | None:
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Raise ConfigError on the first problem; return the config unchanged when it is sound."""
+    for section in dataclasses.fields(cfg):  # each key's own range and choices (config.py declares them)
+        check_fields(getattr(cfg, section.name), section.name)
     _check_model(cfg)
     _check_train(cfg)
     _check_parallel(cfg, world_size)
     _check_data(cfg)
     _check_checkpoint(cfg)
+    if world_size is not None:  # a launch writes there (`config show` and `plan` write nothing)
+        _check_run_folders(cfg)
     return cfg
 
 
@@ -356,10 +406,6 @@ def check_supported(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     model_spec(m).check(m)
     check_backend(p.backend, torch.cuda.is_available())
-    if p.ep > 1:
-        _require(p.dp * p.cp % p.ep == 0, f"parallel.ep={p.ep} must divide parallel.dp*cp={p.dp * p.cp} "
-                 "for training (experts borrowing tensor-parallel ranks is not available yet); choose "
-                 f"parallel.ep among {_divisors(p.dp * p.cp)}")
 
 
 def check_backend(backend: str, cuda: bool) -> None:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelConfig
+from fivefold.models.documents import document_attention
 from fivefold.models.init import Fill, constant, seeded_normal
 
 
@@ -56,9 +57,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalAttention(nn.Module):
-    """Causal softmax attention over (batch, heads, seq, head_dim); K/V may have fewer heads (GQA)."""
+    """Causal softmax attention over (batch, heads, seq, head_dim); K/V may have fewer heads (GQA).
+    With `documents` (batch, seq), each token's document id, no query sees another document."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        if documents is not None:
+            return document_attention(q, k, v, documents)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
@@ -78,7 +83,8 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
@@ -86,7 +92,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -122,9 +128,22 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(in_compute_dtype(self.attention_norm(x)), cos, sin)
-        return x + self.feed_forward(in_compute_dtype(self.ffn_norm(x)))
+    # The block's residual branches, by method name: selective recomputation checkpoints each one
+    # on its own (parallel/recompute.py), so that recomputing a branch in backward can stop before
+    # its output projection and nothing needs that projection's output kept.
+    residual_branches = ("attention_branch", "feed_forward_branch")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention_branch(x, cos, sin, documents)
+        return x + self.feed_forward_branch(x)
+
+    def attention_branch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         documents: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attention(in_compute_dtype(self.attention_norm(x)), cos, sin, documents)
+
+    def feed_forward_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(in_compute_dtype(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -158,10 +177,13 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """`tokens` are ids, or hidden states when an earlier part of the model ran elsewhere.
 
         `positions` (batch or 1, seq) defaults to 0..seq-1; a shard of a sequence passes its own.
+        `documents` (batch, seq), each token's document id, keeps attention inside documents
+        (models/documents.py); RoPE positions restarting per document come in `positions`.
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -170,7 +192,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_tables(positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, documents)
         if self.norm is not None:
             h = in_compute_dtype(self.norm(h))
         return self.output(h) if self.output is not None else h

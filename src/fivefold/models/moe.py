@@ -11,6 +11,10 @@ without touching the math here:
   Context parallelism does split sequences: two hooks, set by parallel/context.py, make the
   decisions those of the whole sequence (`sequence_sum` for the auxiliary loss, `sequence_pieces`
   for capacity); unset (None), this file computes everything from the tokens it is given.
+  Tensor parallelism splits them once more: each tp rank routes only a contiguous slice of the
+  rank's sequence, and two more hooks of the same kind (`slice_sum`, `slice_pieces`, set by
+  parallel/tensor.py) make the decisions those of the rank's sequence; `_nested` composes the
+  two levels, so tp alone, cp alone and both decide as the single process does.
 
 The auxiliary loss reaches the gradients without being added to the model's output: an autograd
 function passes the layer's output through unchanged and, in backward, gives the auxiliary loss the
@@ -24,6 +28,7 @@ runs one extra forward to infer shapes) and clears them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 from dataclasses import dataclass
@@ -123,6 +128,8 @@ def grouped_mm_usable(device: torch.device, dtype: torch.dtype, dim: int, hidden
     # torch._grouped_mm needs row strides in multiples of 16 bytes, and not every device/dtype has it
     # (CUDA wants bf16 on recent GPUs; CPU takes fp32 and bf16 in torch 2.13).
     aligned = all(n * torch.finfo(dtype).bits // 8 % 16 == 0 for n in (dim, hidden))
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False  # torch 2.13's fake-tensor kernel of _grouped_mm takes bf16 only: trace the loop
     return GROUPED_MM_ENABLED and aligned and _grouped_mm_works(device.type, device.index, dtype)
 
 
@@ -132,17 +139,23 @@ def _grouped_mm_works(device_type: str, index, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-    # Own saved-tensor hooks: the probe may run inside a recomputed (checkpointed) block, whose
-    # recomputation must save exactly what the first forward saved.
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.enable_grad():
-        try:
-            x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
-            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-            out = torch._grouped_mm(x, w, offs=torch.tensor([1, 3], device=device, dtype=torch.int32))
-            out.backward(torch.ones_like(out))
-            return bool(torch.allclose(out.float(), torch.full((3, 16), 16.0, device=device)))
-        except (RuntimeError, NotImplementedError):
-            return False
+    # In a thread of its own: the first call may come from inside a recomputed (checkpointed) block,
+    # whose saved-tensor hooks and dispatch modes are per thread. Selective recomputation's mode
+    # replays the saved matmuls in order, so a probe seen by the first forward and not by the
+    # recomputation would shift every later one (a shape mismatch in backward).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_try_grouped_mm, device, dtype).result()
+
+
+def _try_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        out = torch._grouped_mm(x, w, offs=torch.tensor([1, 3], device=device, dtype=torch.int32))
+        out.backward(torch.ones_like(out))
+        return bool(torch.allclose(out.float(), torch.full((3, 16), 16.0, device=device)))
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -192,6 +205,8 @@ class MoE(nn.Module):
         self.aux_grad_scale = 1.0  # set by the training loop: 1/micro-batches per step
         self.sequence_sum = None  # set when sequences are split over ranks (sequence_aux_loss)
         self.sequence_pieces = None  # likewise, for capacity (capacity_keep)
+        self.slice_sum = None  # set when this module gets a slice of the rank's sequence
+        self.slice_pieces = None  # likewise, for capacity
         self.stats: list[RouterStats] = []  # one per forward since the last take_stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,11 +214,11 @@ class MoE(nn.Module):
         k, n_experts = self.cfg.top_k, self.cfg.n_experts
         tokens = x.reshape(-1, dim)
         scores, indices, weights = self.router(tokens)
-        pieces = self.sequence_pieces
+        pieces = _nested(self.sequence_pieces, self.slice_pieces)
         whole_seq = seq if pieces is None else seq * pieces.n_chunks // len(pieces.chunks)
         keep = capacity_keep(indices.view(batch, seq, k), n_experts, self.capacity(whole_seq), pieces).reshape(-1)
         aux = (sequence_aux_loss(scores.view(batch, seq, -1), indices.view(batch, seq, k), self.cfg,
-                                 self.sequence_sum)
+                                 _chained(self.slice_sum, self.sequence_sum))
                if self.cfg.balance == "aux_loss" else None)
         if _counts_for_stats():
             self._record(indices, keep, aux)
@@ -275,6 +290,45 @@ def capacity_keep(indices: torch.Tensor, n_experts: int, capacity: int | None, p
     one_hot = F.one_hot(by_priority, n_experts)
     rank = (one_hot.cumsum(1) * one_hot).sum(-1) - 1
     return (rank < capacity).view(batch, k, seq).transpose(1, 2)
+
+
+def _chained(inner, outer):
+    """Sum a statistic over the slices of the rank's sequence, then over the ranks' pieces."""
+    if inner is None or outer is None:
+        return inner or outer
+    return lambda t: outer(inner(t))
+
+
+def _nested(outer, inner):
+    """The pieces of whole sequences that this module's tokens are, when they are `inner`'s
+    slices of the rank's sequence, itself `outer`'s pieces of the whole sequence (either None:
+    that level does not split)."""
+    if inner is None or outer is None:
+        return inner or outer
+    return NestedPieces(outer, inner)
+
+
+class NestedPieces:
+    """Pieces of pieces, in `_pieces_keep`'s terms. The rank's sequence is `outer`'s a chunks;
+    `inner` cuts it into b equal slices, this module holding one. Cutting each outer chunk into b
+    sub-chunks makes both levels whole numbers of sub-chunks: the rank's sequence is a·b of them,
+    this slice a, and the whole sequence outer.n_chunks·b. (The sub-chunks must hold whole
+    positions: the sequence length divisible by outer.n_chunks·b, which validate() checks.)"""
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+        a, b = len(outer.chunks), inner.n_chunks
+        (t,) = inner.chunks  # one slice per module
+        local = range(t * a, (t + 1) * a)  # sub-chunk indices in the rank's sequence
+        self.chunks = [outer.chunks[j // b] * b + j % b for j in local]
+        self.n_chunks = outer.n_chunks * b
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """(a, ...) for this slice's sub-chunks -> (outer.n_chunks·b, ...) by global sub-chunk."""
+        a, b = len(self.outer.chunks), self.inner.n_chunks
+        rank_sequence = self.inner.gather(local.unsqueeze(0)).reshape(a * b, *local.shape[1:])
+        per_outer_chunk = rank_sequence.view(a, b, *local.shape[1:])  # sub-chunks of each outer chunk
+        return self.outer.gather(per_outer_chunk).reshape(self.n_chunks, *local.shape[1:])
 
 
 def _pieces_keep(indices: torch.Tensor, n_experts: int, capacity: int, pieces) -> torch.Tensor:

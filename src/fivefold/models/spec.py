@@ -46,7 +46,8 @@ class TP:
     # nn.Linear replicated on every tp rank, computing on the whole (gathered) input, whose output
     # feeds column-split layers (a latent down-projection, as in MLA): its gradient is a partial sum.
     REPLICATED_PARTIAL = "replicated_partial"
-    REPLICATED_MOE = "replicated_moe"  # MoE layer: runs whole on every tp rank on the whole stream
+    # MoE layer: weights whole on every tp rank, tokens split (each rank routes its own slice)
+    REPLICATED_MOE = "replicated_moe"
     VOCAB_EMBEDDING = "vocab_embedding"  # nn.Embedding split by vocabulary rows
     VOCAB_OUTPUT = "vocab_output"  # nn.Linear split by vocabulary; logits stay sharded for the loss
 

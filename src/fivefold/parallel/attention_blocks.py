@@ -9,6 +9,12 @@ Shapes: q (batch, heads, Lq, head_dim); k, v (batch, kv_heads, Lk, head_dim) wit
 heads (grouped-query attention). `causal` blocks are square (Lq == Lk, the same token positions):
 query i sees keys 0..i. Other blocks are fully visible. Outputs and LSE are fp32 (accumulators).
 
+Document masking (`data.document_mask`) adds a `mask` (batch, Lq, Lk), True where a query may see a
+key: `document_block` derives it from the document ids of the block's rows and columns, says when
+no pair is visible (the caller skips the block) and drops the mask when it hides nothing the block
+does not hide already (the fast kernels then run). A row that sees no key of a block gets LSE −inf
+and output 0, which the merge folds in as nothing.
+
 Three implementations: PyTorch's fused kernels, which return the LSE themselves and take the
 global output/LSE in their backward — memory-efficient attention on CUDA, flash attention on CPU
 (computed in fp32 there, like the plain path) — and plain PyTorch for any other device (matmul +
@@ -35,8 +41,26 @@ def use_cpu_flash_kernel(q: torch.Tensor, v: torch.Tensor) -> bool:
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
-def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output fp32 (b, h, Lq, d), LSE fp32 (b, h, Lq)) of softmax(q kᵀ·scale) v over this block."""
+def document_block(q_documents: torch.Tensor, k_documents: torch.Tensor, causal: bool):
+    """(visible, mask) of a block from the document ids of its query rows (b, Lq) and key columns
+    (b, Lk): visible is False when no query may see any key; mask is None when every pair the block
+    shows is inside one document, else the (b, Lq, Lk) bool mask of allowed pairs."""
+    same = q_documents[:, :, None] == k_documents[:, None, :]
+    if causal:
+        shown = torch.ones(same.shape[1:], dtype=torch.bool, device=same.device).tril()
+        allowed, hides_nothing = same & shown, bool((same | ~shown).all())
+    else:
+        allowed, hides_nothing = same, bool(same.all())
+    if hides_nothing:
+        return True, None
+    return bool(allowed.any()), allowed
+
+
+def block_forward(q, k, v, causal: bool, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output fp32 (b, h, Lq, d), LSE fp32 (b, h, Lq)) of softmax(q kᵀ·scale) v over this block;
+    `mask` (b, Lq, Lk), when given, hides the pairs where it is False (plain PyTorch only)."""
+    if mask is not None:
+        return _math_forward(q, k, v, causal, scale, mask)
     if use_fused_kernel(q):
         return _fused_forward(q, k, v, causal, scale)
     if use_cpu_flash_kernel(q, v):
@@ -44,9 +68,11 @@ def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, to
     return _math_forward(q, k, v, causal, scale)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """(dq, dk, dv) in fp32 of this block's share of attention, given the final out and LSE of
     these query rows (so probabilities are exp(score - LSE), already normalised over every block)."""
+    if mask is not None:
+        return _math_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if use_fused_kernel(q):
         return _fused_backward(dout, q, k, v, out, lse, causal, scale)
     if use_cpu_flash_kernel(q, v):
@@ -56,11 +82,13 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 
 def merge_rows(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out, block_lse) -> None:
     """Fold a block's partial result into the running (out, LSE) of query rows `rows`, in place:
-    each side is weighted by its share exp(lse_side - lse_total) of the combined softmax mass."""
+    each side is weighted by its share exp(lse_side - lse_total) of the combined softmax mass. A
+    row with no visible key on either side (LSE −inf) keeps weight 0 instead of exp(−inf + inf)."""
     old_lse = lse[:, :, rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
-    out[:, :, rows] = (out[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1)
-                       + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    finite = new_lse.nan_to_num(neginf=0.0).unsqueeze(-1)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(old_lse.unsqueeze(-1) - finite)
+                       + block_out * torch.exp(block_lse.unsqueeze(-1) - finite))
     lse[:, :, rows] = new_lse
 
 
@@ -83,8 +111,9 @@ def _row_tiles(q_grouped, keys: int):
     return [(start, min(rows, start + step)) for start in range(0, rows, step)]
 
 
-def _tile_scores(q_tile, k, start: int, stop: int, causal: bool, scale: float):
-    """Scores of query rows start..stop; for a causal block only keys 0..stop-1 can be visible."""
+def _tile_scores(q_tile, k, start: int, stop: int, causal: bool, scale: float, mask=None):
+    """Scores of query rows start..stop; for a causal block only keys 0..stop-1 can be visible;
+    `mask` (b, Lq, Lk) hides the pairs where it is False."""
     key_stop = stop if causal else k.shape[-2]
     # Never modify a matmul's output in place: selective recomputation may keep that very tensor.
     scores = torch.matmul(q_tile, k[..., :key_stop, :].transpose(-1, -2)) * scale
@@ -92,24 +121,28 @@ def _tile_scores(q_tile, k, start: int, stop: int, causal: bool, scale: float):
         rows = torch.arange(start, stop, device=q_tile.device)
         hidden = torch.arange(key_stop, device=q_tile.device)[None, :] > rows[:, None]
         scores.masked_fill_(hidden, float("-inf"))
+    if mask is not None:  # (b, 1, 1, rows, keys) against scores (b, kv_heads, group, rows, keys)
+        scores.masked_fill_(~mask[:, None, None, start:stop, :key_stop], float("-inf"))
     return scores, key_stop
 
 
-def _math_forward(q, k, v, causal, scale):
+def _math_forward(q, k, v, causal, scale, mask=None):
     qg, kg, vg = _grouped(q, k, v)
     lq = q.shape[2]
     out = torch.empty(qg.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
     lse = torch.empty(qg.shape[:-1], dtype=torch.float32, device=q.device)
     for start, stop in _row_tiles(qg, k.shape[2]):
-        scores, key_stop = _tile_scores(qg[..., start:stop, :], kg, start, stop, causal, scale)
+        scores, key_stop = _tile_scores(qg[..., start:stop, :], kg, start, stop, causal, scale, mask)
         tile_lse = torch.logsumexp(scores, dim=-1)
-        probs = scores.sub_(tile_lse.unsqueeze(-1)).exp_()  # in place: one matrix per tile
+        # A row that sees no key (document masking) has LSE −inf: subtract 0 there, so its
+        # probabilities are exp(−inf) = 0 rather than NaN.
+        probs = scores.sub_(tile_lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp_()  # in place
         out[..., start:stop, :] = probs @ vg[..., :key_stop, :]
         lse[..., start:stop] = tile_lse
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     qg, kg, vg = _grouped(q, k, v)
     shape = qg.shape
     out_shape = shape[:-1] + (v.shape[-1],)  # V's head dim may differ from Q's
@@ -120,7 +153,7 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     dv = torch.zeros(vg.shape, dtype=torch.float32, device=q.device)
     for start, stop in _row_tiles(qg, k.shape[2]):
         rows = slice(start, stop)
-        scores, key_stop = _tile_scores(qg[..., rows, :], kg, start, stop, causal, scale)
+        scores, key_stop = _tile_scores(qg[..., rows, :], kg, start, stop, causal, scale, mask)
         probs = scores.sub_(lse_g[..., rows].unsqueeze(-1)).exp_()
         d_tile = dout_g[..., rows, :]
         # The query group's contributions to a shared kv head add up (sum over dim 2).

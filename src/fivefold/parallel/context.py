@@ -14,6 +14,7 @@ ring (parallel/ring_attention.py), all-gather or Ulysses (parallel/gathered_atte
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,6 +36,40 @@ def local_positions(rank: int, cp: int, local_len: int, device=None) -> torch.Te
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunks_of(rank, cp)])
 
 
+@dataclass
+class DocumentWindows:
+    """Training windows (batch, seq_len+1) with each token's document id and, when RoPE restarts
+    per document, its position in its document (`data.document_mask`, train/data.py). It moves and
+    splits along the batch as a tensor of windows does, so batches of either kind travel alike."""
+
+    tokens: torch.Tensor
+    documents: torch.Tensor
+    positions: torch.Tensor | None = None  # None: 0, 1, 2... in every window
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tokens.shape
+
+    def _map(self, fn) -> "DocumentWindows":
+        return DocumentWindows(fn(self.tokens), fn(self.documents),
+                               None if self.positions is None else fn(self.positions))
+
+    def to(self, device, non_blocking: bool = False) -> "DocumentWindows":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "DocumentWindows":
+        return self._map(torch.Tensor.pin_memory)
+
+    def chunk(self, n: int) -> list["DocumentWindows"]:
+        parts = [t.chunk(n) if t is not None else [None] * n
+                 for t in (self.tokens, self.documents, self.positions)]
+        return [DocumentWindows(*fields) for fields in zip(*parts)]
+
+
 class SequenceSplit:
     """Which tokens of each training window this rank keeps: all of them at cp=1."""
 
@@ -49,12 +84,22 @@ class SequenceSplit:
 
     def __call__(self, windows: torch.Tensor):
         """(inputs, labels, RoPE positions (1, local_seq) or None) from windows of seq_len+1 tokens."""
-        inputs, labels = windows[:, :-1], windows[:, 1:]
+        return self.split(windows)[:3]
+
+    def split(self, windows: torch.Tensor | DocumentWindows):
+        """(inputs, labels, RoPE positions or None, document ids or None) of this rank's tokens;
+        positions are (1, local_seq), or (batch, local_seq) when they restart per document."""
+        tokens, documents, positions = windows, None, None
+        if isinstance(windows, DocumentWindows):
+            tokens, documents = windows.tokens, windows.documents[:, :-1]  # the inputs' ids
+            positions = None if windows.positions is None else windows.positions[:, :-1]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
         if self.cp == 1:
-            return inputs, labels, None
+            return inputs, labels, positions, documents
         local_len = inputs.shape[1] // self.cp
-        positions = local_positions(self.cp_rank, self.cp, local_len, device=windows.device)
-        return inputs[:, positions], labels[:, positions], positions.unsqueeze(0)
+        mine = local_positions(self.cp_rank, self.cp, local_len, device=tokens.device)
+        positions = mine.unsqueeze(0) if positions is None else positions[:, mine]
+        return inputs[:, mine], labels[:, mine], positions, None if documents is None else documents[:, mine]
 
 
 class SequencePieces:
@@ -93,10 +138,12 @@ class ContextParallelAttention(nn.Module):
         self._attend = methods[method]
 
     @torch.compiler.disable  # point-to-point sends and custom autograd: leave them out of graphs
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents` (batch, local_seq): each local token's document id (document masking)."""
         # The block math accumulates in fp32 itself; under bf16 autocast its matmuls would not.
         with torch.autocast(q.device.type, enabled=False):
-            return self._attend(q, k, v, self.group)
+            return self._attend(q, k, v, self.group, documents)
 
     def extra_repr(self) -> str:
         return f"method={self.method}"

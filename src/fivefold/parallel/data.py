@@ -193,6 +193,10 @@ class ReplicatedDataParallel(DataParallel):
 def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: Config,
                         pipeline=None) -> DataParallel:
     if dims.dp * dims.cp == 1:
+        if dims.expert_data_parallel > 1:
+            # No data parallelism, but tp ranks holding the same experts (ep borrowing only part of
+            # tp) saw different tokens: their expert gradients are partial sums to all-reduce.
+            return ReplicatedDataParallel(parts, dims, mesh["dp_cp"].get_group(), mesh["edp"].get_group())
         return DataParallel(parts, dims)
     zero = cfg.parallel.zero
     if zero == 0:

@@ -12,8 +12,11 @@ Both all-to-alls are one autograd function whose backward is the reverse all-to-
 take the same routes back. Expert gradients are then reduced over the expert-data-parallel group
 (data.py / zero.py / fsdp.py), dense ones over dp·cp as before.
 
-Also here: the per-step router bookkeeping (load reduced over dp·cp, bias balancing, metrics),
-which every layout shares. (Under tensor parallelism MoE layers run replicated: parallel/tensor.py.)
+Also here: the per-step router bookkeeping (load reduced over dp·cp, and over tp where the tp ranks
+route different slices of the tokens; bias balancing, metrics), which every layout shares.
+Under tensor parallelism each tp rank routes its own slice of the tokens (parallel/tensor.py), and
+the ep group may borrow tp ranks (mesh.py `expert_groups`): a tp rank is then one more rank
+sending its tokens to the experts, and the dispatch below does not change.
 
 Expert tensors are found through the shared MoE block (models/moe.py), whatever the family: every
 parameter of an `MoE.experts` module is stacked (experts, ...) along dim 0.
@@ -26,7 +29,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.models.moe import MoE, is_expert_param, moe_layers
+from torch.distributed.tensor import DTensor
+
 from fivefold.parallel.collectives import all_reduce_scalars
+from fivefold.parallel.tensor import SLICE_GROUP
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -66,7 +72,7 @@ class ExpertParallelDispatch:
         send_splits = [sum(counts[r * n_local:(r + 1) * n_local]) for r in range(ep)]
         recv_splits = [sum(row) for row in from_rank]
         rows = AllToAll.apply(routed, recv_splits, send_splits, self.group)
-        self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * routed[0].numel() * routed.element_size()
+        self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * routed.shape[-1] * routed.element_size()
 
         order = expert_major_order(from_rank, rows.device)
         local_counts = [sum(row[e] for row in from_rank) for e in range(n_local)]
@@ -95,6 +101,9 @@ def apply_expert_parallel(part: nn.Module, ep_mesh) -> None:
         n_local = moe.cfg.n_experts // ep
         first = rank * n_local
         for name, whole in list(moe.experts.named_parameters(recurse=False)):
+            # Replicated over tp (tensor.py): the local tensor. Its gradient, partial over the tp
+            # ranks, is then summed by the expert-data-parallel group, which spans them.
+            whole = whole.to_local() if isinstance(whole, DTensor) else whole
             setattr(moe.experts, name, nn.Parameter(whole.detach()[first:first + n_local].clone()))
         moe.run_experts = ExpertParallelDispatch(moe, group, n_local)
 
@@ -127,8 +136,12 @@ def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device
     packed = torch.cat([torch.stack(loads).flatten(), torch.tensor([float(s.dropped) for s in stats]),
                         torch.tensor(aux, dtype=torch.float64)])
     ranks = 1
+    slice_group = getattr(layers[0], SLICE_GROUP, None)  # tp ranks routing slices of the same tokens
+    if slice_group is not None:
+        ranks = dist.get_world_size(slice_group)
+        packed = all_reduce_scalars(packed, slice_group, device)
     if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
-        ranks = dist.get_world_size(dp_cp_group)
+        ranks *= dist.get_world_size(dp_cp_group)
         packed = all_reduce_scalars(packed, dp_cp_group, device)
     n = len(layers)
     load = packed[:n * n_experts].view(n, n_experts)

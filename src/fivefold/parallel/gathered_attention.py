@@ -5,6 +5,10 @@
   are gathered again in backward rather than kept, so only the local K/V are saved.
 - Ulysses: one all-to-all turns sequence-split q/k/v into head-split whole sequences, ordinary
   causal attention runs on cp-th of the heads, and one all-to-all turns the output back.
+
+Document masking: both all-gather the document ids of the whole sequence (a few bytes per token).
+All-gather masks each block of its local queries against the gathered keys and skips blocks no
+query may see; Ulysses runs the model's own document-masked attention on the whole sequence.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fivefold.parallel.attention_blocks import block_backward, block_forward, merge_rows
+from fivefold.models.documents import document_attention
+from fivefold.parallel.attention_blocks import block_backward, block_forward, document_block, merge_rows
 from fivefold.parallel.context import gathered_chunk_order, local_positions
-from fivefold.parallel.ring_attention import pack_kv
+from fivefold.parallel.ring_attention import gather_documents, pack_kv
 
 # torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,6 +41,16 @@ def _gather_kv(k, v, group) -> torch.Tensor:
     chunks = gathered.movedim(0, 2).unflatten(3, (2, -1)).flatten(2, 3)  # (b, hkv, 2cp, c, d)
     in_order = torch.tensor(gathered_chunk_order(cp), device=k.device).argsort()
     return chunks.index_select(2, in_order).flatten(2, 3)
+
+
+def _sequence_documents(documents, group) -> torch.Tensor:
+    """(b, seq): the document ids of the whole sequence, in sequence order, from each rank's (b, L)."""
+    cp, local_len = dist.get_world_size(group), documents.shape[1]
+    slots = gather_documents(documents, group).movedim(0, 1).flatten(1, 2)  # rank 0's tokens, rank 1's...
+    positions = torch.cat([local_positions(r, cp, local_len, documents.device) for r in range(cp)])
+    whole = torch.empty_like(slots)
+    whole[:, positions] = slots
+    return whole
 
 
 def _scatter_kv_grads(dkv_whole: torch.Tensor, group) -> torch.Tensor:
@@ -61,16 +76,27 @@ def _allgather_blocks(rank: int, cp: int, chunk: int):
     return blocks
 
 
-def allgather_forward(q, k, v, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output in q's dtype, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence."""
+def _masked_block(documents, whole, rows: slice, cols: slice, causal: bool):
+    """(visible, mask) of a block of local query rows against gathered key columns."""
+    if documents is None:
+        return True, None
+    return document_block(documents[:, rows], whole[:, cols], causal)
+
+
+def allgather_forward(q, k, v, group, documents=None, whole=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in q's dtype, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence;
+    `documents` (b, L) this rank's document ids, `whole` the sequence's (`_sequence_documents`)."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5
     kv, d = _gather_kv(k, v, group), k.shape[-1]
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
+        visible, mask = _masked_block(documents, whole, rows, cols, causal)
+        if not visible:  # never a causal block: each query sees itself
+            continue
         block_out, block_lse = block_forward(q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
-                                             causal, scale)
+                                             causal, scale, mask)
         if causal:  # listed first for its rows: it starts them
             out[:, :, rows], lse[:, :, rows] = block_out, block_lse
         else:
@@ -78,7 +104,7 @@ def allgather_forward(q, k, v, group) -> tuple[torch.Tensor, torch.Tensor]:
     return out.to(q.dtype), lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, group):
+def allgather_backward(dout, q, k, v, out, lse, group, documents=None, whole=None):
     """(dq, dk, dv) of this rank's q, k, v, given the final output and LSE of its queries."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5
@@ -86,9 +112,12 @@ def allgather_backward(dout, q, k, v, out, lse, group):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
+        visible, mask = _masked_block(documents, whole, rows, cols, causal)
+        if not visible:
+            continue
         dq_block, dk_block, dv_block = block_backward(
             dout[:, :, rows], q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
-            out[:, :, rows], lse[:, :, rows], causal, scale)
+            out[:, :, rows], lse[:, :, rows], causal, scale, mask)
         dq[:, :, rows] += dq_block
         dkv[..., cols, :d] += dk_block
         dkv[..., cols, d:] += dv_block
@@ -98,19 +127,22 @@ def allgather_backward(dout, q, k, v, out, lse, group):
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group):
-        out, lse = allgather_forward(q, k, v, group)
-        ctx.group = group
+    def forward(ctx, q, k, v, group, documents):
+        whole = None if documents is None else _sequence_documents(documents, group)
+        out, lse = allgather_forward(q, k, v, group, documents, whole)
+        ctx.group, ctx.documents, ctx.whole = group, documents, whole
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        return *allgather_backward(dout, *ctx.saved_tensors, ctx.group), None
+        grads = allgather_backward(dout, *ctx.saved_tensors, ctx.group, ctx.documents, ctx.whole)
+        return *grads, None, None
 
 
-def allgather_attention(q, k, v, group) -> torch.Tensor:
-    return AllGatherAttention.apply(q, k, v, group)
+def allgather_attention(q, k, v, group, documents=None) -> torch.Tensor:
+    """`documents` (b, L): this rank's tokens' document ids, to keep attention inside documents."""
+    return AllGatherAttention.apply(q, k, v, group, documents)
 
 
 # ---- Ulysses -------------------------------------------------------------------------------------
@@ -157,7 +189,7 @@ class HeadsToSequence(torch.autograd.Function):
         return _sequence_to_heads(grad.contiguous(), ctx.group), None
 
 
-def ulysses_attention(q, k, v, group) -> torch.Tensor:
+def ulysses_attention(q, k, v, group, documents=None) -> torch.Tensor:
     cp = dist.get_world_size(group)
     heads, kv_heads, local_len = q.shape[1], k.shape[1], q.shape[2]
     # Each rank gets heads/cp query heads and must get the kv heads they use: with fewer kv heads
@@ -179,6 +211,9 @@ def ulysses_attention(q, k, v, group) -> torch.Tensor:
     slot_positions = torch.cat([local_positions(r, cp, local_len, q.device) for r in range(cp)])
     in_order = slot_positions.argsort()
     q, k, v = (t.index_select(2, in_order) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    if documents is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    else:  # every rank holds the whole sequence (for its heads): the whole sequence's mask
+        out = document_attention(q, k, v, _sequence_documents(documents, group))
     out = out.index_select(2, slot_positions)  # back to slot order
     return HeadsToSequence.apply(out.contiguous(), group)

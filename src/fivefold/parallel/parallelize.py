@@ -26,6 +26,7 @@ from fivefold.parallel.expert import apply_expert_parallel, finish_router_step, 
 from fivefold.parallel.materialize import materialize
 from fivefold.parallel.pipeline import Pipeline
 from fivefold.parallel.recompute import apply_recompute
+from fivefold.parallel.sharded_inputs import keeps_shards
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,11 @@ class Parallelized:
         Context parallelism keeps only this rank's part of each sequence here."""
         return self._sequence_split(windows)
 
+    def split_windows(self, windows):
+        """`split_sequence` of windows that may carry document ids (context.DocumentWindows):
+        (inputs, labels, positions or None, document ids or None)."""
+        return self._sequence_split.split(windows)
+
     def forward_backward(self, batch: torch.Tensor, n_micro: int, autocast) -> torch.Tensor:
         """Forward, loss and backward of every micro-batch of a step on this rank's share of the
         global batch; returns the sum of the micro-batch losses (each already divided by n_micro)."""
@@ -90,17 +96,17 @@ class Parallelized:
         set_aux_grad_scale(self.parts, 1.0 / n_micro)
         self._n_micro = n_micro
         if self.pipeline is not None:
-            inputs, labels, positions = self.split_sequence(batch)
+            inputs, labels, positions, documents = self.split_windows(batch)
             if positions is None:
                 positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
             with autocast(), self._loss_context():
-                return self.pipeline.run(inputs, labels, positions)
+                return self.pipeline.run(inputs, labels, positions, documents)
         total = torch.zeros((), device=batch.device)
         for micro, chunk in enumerate(batch.chunk(n_micro)):
-            inputs, labels, positions = self.split_sequence(chunk)
+            inputs, labels, positions, documents = self.split_windows(chunk)
             with self.grad_sync(is_last=micro == n_micro - 1):
                 with autocast():
-                    loss = self.loss(self.model(inputs, positions), labels) / n_micro
+                    loss = self.loss(self.model(inputs, positions, documents), labels) / n_micro
                 self.backward(loss)
             total += self.loss_value(loss)
         return total
@@ -112,14 +118,14 @@ class Parallelized:
 
     def eval_loss(self, windows: torch.Tensor, autocast) -> float:
         """Mean loss of a batch without gradients (this rank's share; not yet averaged over dp)."""
-        inputs, labels, positions = self.split_sequence(windows)
+        inputs, labels, positions, documents = self.split_windows(windows)
         if self.pipeline is not None:
             if positions is None:
                 positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
             with torch.no_grad(), autocast(), self._loss_context():
-                return self.pipeline.evaluate(inputs, labels, positions).item()
+                return self.pipeline.evaluate(inputs, labels, positions, documents).item()
         with torch.no_grad(), autocast():
-            return self.loss_value(self.loss(self.model(inputs, positions), labels)).item()
+            return self.loss_value(self.loss(self.model(inputs, positions, documents), labels)).item()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return self.data_parallel.clip_grad_norm(max_norm)
@@ -212,12 +218,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
         if dims.tp > 1:
             from fivefold.parallel.tensor import apply_tensor_parallel
 
-            apply_tensor_parallel(part, spec, cfg.model, mesh["tp"], sequence_parallel=cfg.parallel.sp)
+            apply_tensor_parallel(part, spec, cfg.model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
+                                  keep_shards=keeps_shards(cfg))
         if dims.ep > 1:
             apply_expert_parallel(part, mesh["ep"])
         if dims.cp > 1:
             apply_context_parallel(part, spec.attention_core, mesh["cp"], cfg.parallel.cp_method)
-        apply_recompute(part.layers, cfg.train.recompute)
+        apply_recompute(part.layers, cfg.train.recompute, lambda index: spec.block_plan(cfg.model, index),
+                        stream_split=dims.tp if dims.tp > 1 and cfg.parallel.sp else 1,
+                        compute_bytes=2 if cfg.train.dtype == "bf16" else 4)
         if cfg.train.compile:
             for block in part.layers.values():
                 block.compile()

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                           ScheduleZBVZeroBubble)
+from torch.distributed.tensor import DTensor
 
 from fivefold.config import Config, micro_batches
 from fivefold.models.spec import ModelSpec
@@ -41,10 +42,22 @@ SCHEDULES = {
 
 
 class StagePositions:
-    """The RoPE positions every stage of this rank uses for the current step (a stage receives
-    only hidden states, which under sequence parallelism hold a slice of the sequence)."""
+    """The RoPE positions (and, under document masking, document ids) every stage of this rank
+    uses for the current step: a stage receives only hidden states, which under sequence
+    parallelism hold a slice of the sequence. Positions shared by every sequence are one
+    (1, seq) tensor; per-sequence ones are cut into the schedule's micro-batches, and each stage
+    reads those of the micro-batch it is running (`select`, called as each forward starts)."""
 
-    value: torch.Tensor | None = None
+    value: torch.Tensor | None = None  # the positions of the micro-batch being run
+    documents: torch.Tensor | None = None  # its document ids, or None
+
+    def set(self, positions: torch.Tensor, documents: torch.Tensor | None, n_micro: int) -> None:
+        self._positions = positions.chunk(n_micro) if positions.shape[0] > 1 else [positions] * n_micro
+        self._documents = documents.chunk(n_micro) if documents is not None else [None] * n_micro
+        self.select(0)
+
+    def select(self, micro: int) -> None:
+        self.value, self.documents = self._positions[micro], self._documents[micro]
 
 
 def build_stage_module(full: nn.Module, spec: ModelSpec, layer_ids: list[int], first: bool, last: bool,
@@ -58,8 +71,102 @@ def build_stage_module(full: nn.Module, spec: ModelSpec, layer_ids: list[int], f
         parent, _, name = path.rpartition(".")
         setattr(part.get_submodule(parent), name, None)
     forward = part.forward
-    part.forward = lambda x: forward(x, positions.value)
+    part.forward = lambda x: forward(x, positions.value, positions.documents)
     return part
+
+
+def _release_sent_outputs(stage, free_after_backward: bool) -> None:
+    """Once a stage has built the send of a micro-batch's output, that output's data is not needed
+    on this rank any more: the backward needs only the output's autograd node and shape (the
+    gradient comes from the next stage). The schedule keeps the output until that backward
+    (torch's fwd_cache), one whole activation per micro-batch in flight; pointing it at a
+    one-element placeholder of the same shape (stride 0) drops that reference at the send, as
+    Megatron-LM does. The send itself holds the storage until it completes and its work is let go:
+    Schedule1F1B lets go one micro-batch later, but GPipe and the multi-stage runtime keep every
+    send's work until the step ends. For those (`free_after_backward`) the storage is emptied once
+    the micro-batch's backward has run on this stage: its gradient came back, so the next stage
+    had received the output, and the send was done."""
+    build_sends = stage.get_fwd_send_ops
+    sent: dict[int, list] = {}
+
+    def get_fwd_send_ops(fwd_chunk_id):
+        ops = build_sends(fwd_chunk_id)
+        outputs, _ = stage.fwd_cache[fwd_chunk_id]
+        if free_after_backward and torch.is_grad_enabled():  # evaluation runs no backward
+            sent[fwd_chunk_id] = [op.tensor.untyped_storage() for op in ops]
+        for output in outputs:
+            _release_data(output)
+        return ops
+    stage.get_fwd_send_ops = get_fwd_send_ops
+    if free_after_backward:
+        _after_backward(stage, lambda chunk: [storage.resize_(0) for storage in sent.pop(chunk, ())])
+
+
+def _after_backward(stage, done) -> None:
+    """Call done(micro-batch) once the stage's backward of that micro-batch is over: after a full
+    backward, or after the weight pass of a split one (its input pass keeps the graph)."""
+    backward, weight = stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+    def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
+        backward(bwd_chunk_id, *args, **kwargs)
+        if kwargs.get("full_backward", args[1] if len(args) > 1 else True):
+            done(bwd_chunk_id)
+
+    def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
+        weight(bwd_chunk_id, *args, **kwargs)
+        done(bwd_chunk_id)
+    stage.backward_one_chunk, stage.backward_weight_one_chunk = backward_one_chunk, backward_weight_one_chunk
+
+
+def _release_local_inputs(stage) -> None:
+    """A V schedule hands the output of a rank's stage straight to its next stage, on the same
+    rank, as that stage's input (no send), and keeps it in two places longer than the next stage's
+    backward needs it: the previous stage's fwd_cache (until that stage's backward) and the next
+    stage's receive slot of the micro-batch (until the next step). The first is released as at a
+    send; the second once the next stage's backward of the micro-batch is over."""
+    take = stage.set_local_fwd_input
+    local: set[int] = set()
+
+    def set_local_fwd_input(prev_stage_outputs, mb_index):
+        take(prev_stage_outputs, mb_index)
+        outputs = prev_stage_outputs if isinstance(prev_stage_outputs, tuple) else (prev_stage_outputs,)
+        for output in outputs:
+            if isinstance(output, torch.Tensor):
+                _release_data(output)
+        if torch.is_grad_enabled():
+            local.add(mb_index)
+    stage.set_local_fwd_input = set_local_fwd_input
+
+    def release(chunk: int) -> None:
+        if chunk in local:
+            local.discard(chunk)
+            for info in stage.args_recv_info[chunk]:
+                if info.buffer is not None:
+                    _release_data(info.buffer)
+    _after_backward(stage, release)
+
+
+def _drop_kept_logits(stage) -> None:
+    """The last stage's backward starts from the loss, not from the stage's output; the schedule
+    keeps that output (the logits, vocabulary-wide) until the backward only to return it to a
+    caller, which return_outputs=False declines. Dropping the schedule's reference leaves the
+    logits to the loss's graph, which keeps what its backward needs (the log-softmax), as in the
+    run without a pipeline."""
+    forward = stage.forward_one_chunk
+
+    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        output = forward(fwd_chunk_id, *args, **kwargs)
+        _, inputs = stage.fwd_cache[fwd_chunk_id]
+        stage.fwd_cache[fwd_chunk_id] = ((), inputs)
+        return output
+    stage.forward_one_chunk = forward_one_chunk
+
+
+def _release_data(tensor) -> None:
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    # A view shares its base's storage, which something else may hold: leave it.
+    if isinstance(local, torch.Tensor) and not local._is_view() and local.numel() > 1:
+        local.data = torch.empty((), dtype=local.dtype, device=local.device).expand(local.shape)
 
 
 class Pipeline:
@@ -111,6 +218,13 @@ class Pipeline:
                   for part, s in zip(self.parts, self.stage_ids)]
         self.stages = stages
         for index, stage in enumerate(stages):
+            self._select_inputs(stage)
+            if not stage.is_first:
+                _release_local_inputs(stage)
+            if stage.is_last:
+                _drop_kept_logits(stage)
+            else:
+                _release_sent_outputs(stage, free_after_backward=self.schedule_name != "1f1b")
             self._time_compute(stage)
             if self.on_weight_grads is not None:
                 self._report_weight_grads(stage, index)
@@ -123,6 +237,16 @@ class Pipeline:
         n_micro = self.n_micro
         self.schedule = cls(target, n_microbatches=n_micro, loss_fn=lambda out, y: loss_fn(out, y) / n_micro,
                             scale_grads=False)
+
+    def _select_inputs(self, stage) -> None:
+        """Before each forward of a micro-batch, point the stages at its positions and document ids
+        (a recomputed forward in backward reuses the tensors the block was first called with)."""
+        forward = stage.forward_one_chunk
+
+        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+            self.positions.select(fwd_chunk_id)
+            return forward(fwd_chunk_id, *args, **kwargs)
+        stage.forward_one_chunk = forward_one_chunk
 
     def _time_compute(self, stage) -> None:
         """Wrap the stage's compute actions with a clock: busy time per step, for the bubble."""
@@ -156,22 +280,26 @@ class Pipeline:
 
         stage.backward_one_chunk, stage.backward_weight_one_chunk = backward_one_chunk, backward_weight_one_chunk
 
-    def run(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+            documents: torch.Tensor | None = None) -> torch.Tensor:
         """One step of the schedule; returns the step loss (sum of the scaled micro-batch losses) on every pp rank."""
-        self.positions.value = positions
+        self.positions.set(positions, documents, self.n_micro)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)
+        # return_outputs=False: the last stage keeps no micro-batch's logits for the caller (the
+        # loss is all we read), so each one goes as soon as its backward has run.
+        self.schedule.step(*args, return_outputs=False, **kwargs)
         return self._reduce_loss(losses, inputs.device)
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """Forward only through the pipeline; the loss (sum of the scaled micro-batch losses) on every pp rank."""
-        self.positions.value = positions
+        self.positions.set(positions, documents, self.n_micro)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        self.schedule.eval(*args, **kwargs)
+        self.schedule.eval(*args, return_outputs=False, **kwargs)
         return self._reduce_loss(losses, inputs.device)
 
     def take_bubble(self, step_time_s: float) -> float:

@@ -2,8 +2,12 @@
 
 `full` keeps only each block's input and recomputes the whole block in backward. `selective`
 keeps the outputs of matrix multiplies and attention (expensive to redo) and recomputes the cheap
-elementwise work (norms, RoPE, SiLU), which holds most of the activation bytes. The block's
-forward is wrapped in place, so parameter names (and checkpoint keys) do not change.
+elementwise work (norms, RoPE, SiLU), which holds most of the activation bytes. It checkpoints each
+residual branch of a block on its own (the block names them in `residual_branches`), keeping the
+stream between them, and keeps the inputs of each branch's output projection (the tensor-parallel
+plan's row-split modules) rather than its output: that output, whole-sequence partial sums under
+tensor parallelism, is what Megatron's layout never keeps (parallel/stream_projection.py). Forwards
+are wrapped in place, so parameter names (and checkpoint keys) do not change.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import functools
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from fivefold.models.spec import TP
+from fivefold.parallel.branch_split import split_branches
+from fivefold.parallel.stream_projection import keep_projection_inputs, project
 
 _SAVE = {
     torch.ops.aten.mm.default,
@@ -24,9 +32,16 @@ _SAVE = {
 }
 if hasattr(torch.ops.aten, "_grouped_mm"):  # the experts' matmuls (models/moe.py)
     _SAVE.add(torch.ops.aten._grouped_mm.default)
+# A block checkpointed whole saves its output projections' outputs too (recomputing them would
+# cost a matmul); a branch checkpointed on its own keeps their inputs instead (apply_recompute).
+_SAVE_WHOLE = _SAVE | {torch.ops.fivefold.stream_projection.default}
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_WHOLE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _branch_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -47,9 +62,51 @@ def _recomputed_selective(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def apply_recompute(blocks: nn.ModuleDict, mode: str) -> None:
+def _recomputed_branch(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _branch_policy)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def apply_recompute(blocks: nn.ModuleDict, mode: str, block_plan=lambda index: {}, stream_split: int = 1,
+                    compute_bytes: int = 4) -> None:
+    """Wrap each block for `mode`. `block_plan(index)` is the tensor-parallel plan of block `index`
+    (module path -> style), which names the output projections; stream_split and compute_bytes
+    (the ranks sharing the stream's tokens, the autocast dtype's size) decide whether the branches
+    are checkpointed apart (parallel/branch_split.py)."""
     if mode == "none":
         return
-    wrapper = _recomputed_selective if mode == "selective" else _recomputed_full
-    for block in blocks.values():
-        block.forward = functools.partial(wrapper, block.forward)
+    for index, block in blocks.items():
+        if mode == "full":
+            block.forward = functools.partial(_recomputed_full, block.forward)
+            continue
+        projections = [block.get_submodule(path) for path, style in block_plan(int(index)).items()
+                       if style in (TP.ROW_TO_SEQUENCE, TP.ROW_TO_TOKENS)]
+        branches = getattr(block, "residual_branches", ())
+        weights = [_local_shape(p.weight) for p in projections]
+        if branches and split_branches(weights[0][0] if weights else 0, stream_split, _stream_bytes(block),
+                                       compute_bytes, [w[1] for w in weights]):
+            for projection in projections:
+                _keep_projection_inputs(projection)
+            for name in branches:
+                setattr(block, name, functools.partial(_recomputed_branch, getattr(block, name)))
+        else:  # one region: the projections' outputs are kept (the policy saves every matmul's)
+            block.forward = functools.partial(_recomputed_selective, block.forward)
+
+
+def _local_shape(weight) -> tuple[int, int]:
+    return tuple((weight.to_local() if hasattr(weight, "to_local") else weight).shape)
+
+
+def _stream_bytes(block: nn.Module) -> int:
+    # The stream between blocks is in the parameters' dtype (autocast computes, it does not store).
+    return next(block.parameters()).element_size()
+
+
+def _keep_projection_inputs(module: nn.Module) -> None:
+    if type(module) is nn.Linear:  # no tensor parallelism: as the row-split layer computes it
+        if module.bias is not None:
+            raise ValueError("an output projection with a bias is not supported by selective recomputation")
+        module.forward = lambda x, module=module: project(x, module.weight)
+    module.forward = keep_projection_inputs(module.forward)

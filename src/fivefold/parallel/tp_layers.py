@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
+from fivefold.parallel.sharded_inputs import mark, saving_shards
+from fivefold.parallel.stream_projection import project
 
 _c10d = torch.ops._c10d_functional
 
@@ -27,11 +29,14 @@ class TensorParallelGroup:
     """The tp ranks of this rank and how the residual stream between blocks is laid out over them:
     split along the sequence (sequence parallel: (batch, seq/tp, dim) on each rank) or whole."""
 
-    def __init__(self, tp_mesh, sequence_parallel: bool):
+    def __init__(self, tp_mesh, sequence_parallel: bool, keep_shards: bool = False):
         self.mesh = tp_mesh
         self.size = tp_mesh.size()
         self.name = tp_mesh.get_group().group_name
         self.sequence_parallel = sequence_parallel
+        # Layers reading a gathered sequence save its shard and gather it again in backward
+        # (parallel/sharded_inputs.py); sequence parallelism without recomputation only.
+        self.keep_shards = keep_shards and sequence_parallel
         self.scatter_by_all_to_all = reduce_scatter_via_all_to_all(tp_mesh.get_group())
 
     # The collectives, along dim 0 (the layout NCCL and gloo gather and scatter without copies),
@@ -53,11 +58,17 @@ class TensorParallelGroup:
         """Stream -> the whole sequence (batch, seq, dim), in order: attention needs positions."""
         if not self.sequence_parallel:
             return _SumGradients.apply(x, self)
-        batch, local, dim = x.shape
-        gathered = _GatherChunks.apply(x, self)  # (tp·batch, seq/tp, dim), rank-major
+        whole = self._in_sequence_order(_GatherChunks.apply(x, self), x.shape)
+        return mark(whole, x, self._sequence_of) if self.keep_shards else whole
+
+    def _in_sequence_order(self, gathered: torch.Tensor, shape) -> torch.Tensor:
+        batch, local, dim = shape  # gathered: (tp·batch, seq/tp, dim), rank-major
         if batch == 1:
             return gathered.view(1, self.size * local, dim)
         return gathered.view(self.size, batch, local, dim).transpose(0, 1).reshape(batch, -1, dim)
+
+    def _sequence_of(self, shard: torch.Tensor) -> torch.Tensor:
+        return self._in_sequence_order(self.all_gather(shard), shard.shape)
 
     def scatter_sequence(self, partial: torch.Tensor) -> torch.Tensor:
         """Per-rank partial sums (batch, seq, dim) -> their sum, in the stream's layout."""
@@ -71,7 +82,10 @@ class TensorParallelGroup:
     def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Stream -> every token of the tp group, in any order: for per-token layers (the MLP), which
         thereby skip the re-ordering copies of `gather_sequence` in both directions."""
-        return _GatherChunks.apply(x, self) if self.sequence_parallel else _SumGradients.apply(x, self)
+        if not self.sequence_parallel:
+            return _SumGradients.apply(x, self)
+        gathered = _GatherChunks.apply(x, self)
+        return mark(gathered, x, self.all_gather) if self.keep_shards else gathered
 
     def scatter_tokens(self, partial: torch.Tensor) -> torch.Tensor:
         """The inverse of `gather_tokens` for per-rank partial sums."""
@@ -152,7 +166,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _laid_out(linear, group, Shard(0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, _local(self.weight))
+        with saving_shards(x):
+            return F.linear(x, _local(self.weight))
 
 
 class RowParallelLinear(nn.Module):
@@ -164,7 +179,9 @@ class RowParallelLinear(nn.Module):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(F.linear(x, _local(self.weight)))
+        # An operator of its own: recomputation must keep its input, not its output (whole-sequence
+        # partial sums under sequence parallelism; parallel/stream_projection.py).
+        return self.reduce(project(x, _local(self.weight)))
 
 
 class PartialGradLinear(nn.Module):
@@ -177,7 +194,8 @@ class PartialGradLinear(nn.Module):
         self.weight = _laid_out(linear, group, Replicate())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, _local(self.weight, grad_placements=[Partial()]))
+        with saving_shards(x):
+            return F.linear(x, _local(self.weight, grad_placements=[Partial()]))
 
 
 class VocabParallelEmbedding(nn.Module):

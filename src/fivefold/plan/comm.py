@@ -41,12 +41,18 @@ def placement(layout: Layout, order: tuple[str, ...], dims: tuple[str, ...], gpu
     return Link(size, max(1, gpus_per_node // stride))
 
 
+def nodes_spanned(link: Link) -> int:
+    return 1 if link.intra_node else math.ceil(link.size / max(1, link.per_node))
+
+
 def _bandwidth(link: Link, hw: Hardware) -> tuple[float, float]:
-    """(bus bandwidth per rank, latency) of a collective on this group. Across nodes, a ring
-    moves data through the NICs of all members sharing a node, NVLink inside it."""
+    """(bus bandwidth per rank, latency per ring step) of a collective on this group: NVLink
+    inside a node; across nodes the NICs of the members sharing a node, falling with the number
+    of nodes the group spans (Hardware.fabric_nodes)."""
     if link.intra_node:
         return hw.intra_bw, hw.intra_latency_s
-    return min(hw.intra_bw, link.per_node * hw.nic_bw), hw.inter_latency_s
+    falloff = 1 + (nodes_spanned(link) - 1) / hw.fabric_nodes
+    return min(hw.intra_bw, link.per_node * hw.nic_bw) / falloff, hw.inter_latency_s
 
 
 def all_reduce_time(nbytes: float, link: Link, hw: Hardware, efficiency: float = 1.0) -> float:
@@ -73,7 +79,8 @@ def all_to_all_time(sent_bytes: float, link: Link, hw: Hardware) -> float:
         return 0.0
     if link.intra_node:
         return sent_bytes / hw.intra_bw + hw.intra_latency_s
-    return sent_bytes / hw.nic_bw + hw.inter_latency_s
+    falloff = 1 + (nodes_spanned(link) - 1) / hw.fabric_nodes
+    return sent_bytes * falloff / hw.nic_bw + hw.inter_latency_s
 
 
 def collective_bytes_time(sent_bytes: float, link: Link, hw: Hardware) -> float:

@@ -4,9 +4,15 @@ tokens/s per GPU, MFU and the pipeline bubble.
 Time model of a step (per pipeline rank r, per micro-batch):
   gpu(r)  = matmuls at the achievable fraction of peak + memory-bound elementwise work
             + exposed tp / cp / ep / pp communication
-  host(r) = layers(r) x host launch time per layer  (eager PyTorch cannot go faster than this)
-  t_mb    = max over ranks of max(gpu(r), host(r))
+  host(r) = kernels x launch time + collectives x host time per collective (Runtime)
+  t_mb    = max over ranks of max(gpu(r), host(r))   (the host runs ahead: launches of kernels
+            longer than a launch are hidden)
   step    = (m + bubble slots) t_mb + exposed data-parallel communication + optimizer step
+Collectives cost latency x ring steps + bytes / bandwidth of their tier (comm.py: NVLink inside a
+node, the NICs across nodes, falling with the nodes spanned). Overlap follows fivefold's code:
+DP buckets launch from gradient hooks during the last backward (zero 0/1), zero 2 under every
+backward, FSDP2 prefetches under compute (zero 3), ring attention under its blocks; tp, ep and pp
+transfers are exposed.
 """
 
 from __future__ import annotations
@@ -37,6 +43,18 @@ class Estimate:
     comm_bytes: dict
     time_parts: dict = field(default_factory=dict)  # seconds per step by cause, for "why"
     why: str = ""
+    # The runtime profile's calibration error of tokens/s: (median, 90th percentile) of
+    # |predicted / measured - 1| (Runtime.tokens_per_sec_error).
+    error: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def tokens_per_sec_band(self) -> dict:
+        """The prediction's uncertainty: half the calibration runs fell within +-median, nine in
+        ten within +-p90 (relative errors of tokens/s per GPU)."""
+        med, p90 = self.error
+        tok = self.tokens_per_sec_per_gpu
+        return {"median_rel_error": med, "p90_rel_error": p90,
+                "p90_low": tok / (1 + p90), "p90_high": tok / max(1e-9, 1 - p90) if p90 < 1 else None}
 
     @property
     def fits(self) -> bool:
@@ -48,7 +66,7 @@ class Estimate:
                 "tokens_per_sec_per_gpu": self.tokens_per_sec_per_gpu, "mfu": self.mfu,
                 "bubble_fraction": self.bubble_fraction,
                 "comm_bytes": {k: int(round(v)) for k, v in self.comm_bytes.items()},
-                "why": self.why}
+                "why": self.why, "tokens_per_sec_band": self.tokens_per_sec_band}
 
 
 def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
@@ -64,14 +82,16 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     shards = layout.tp * layout.cp
     achieved = hw.peak_flops * hw.matmul_efficiency
 
-    # MoE layers run replicated over tp (parallel/expert.py): their work splits over cp only.
-    moe_flops = sum(count * stats.moe_flops_per_token(layer) for layer, count in groups)
-    flops = sum(count * stats.layer_flops_per_token(layer, seq) for layer, count in groups) - moe_flops
+    # MoE layers split their tokens over tp (parallel/tensor.py), as the rest splits its matmuls.
+    flops = sum(count * stats.layer_flops_per_token(layer, seq) for layer, count in groups)
     recomputed = 4 / 3 if layout.recompute == "full" else 1.0  # full recomputation: a second forward
-    per_token = recomputed * (flops / shards + moe_flops / layout.cp)
+    per_token = recomputed * flops / shards
     if prank.has_output:
         per_token += stats.output_flops_per_token / shards
-    compute = per_token * tokens_mb / achieved
+    attn_per_token = n_layers * stats.attention_flops_per_token(seq) / shards
+    # FP8 linears (torchtitan's float8 rows) speed up every matmul but attention's.
+    linear = (per_token - recomputed * attn_per_token) * tokens_mb / achieved
+    compute = linear / runtime.float8_linear_speedup + recomputed * attn_per_token * tokens_mb / achieved
     # Elementwise work (norms, residuals, RoPE, SwiGLU, casts, the loss) is bound by memory
     # bandwidth: a few passes over the activations each layer saves, and over the logits.
     traffic = (rank_activation_elements(stats, prank, layout, seq, "none", hw.fuses_attention(stats))
@@ -84,9 +104,16 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     # Tensor parallelism: 8 collectives per layer and 2 for the output projection in the compute
     # dtype, 2 for the vocab-parallel embedding in the residual stream's (the weights') dtype; each
     # an all-gather or reduce-scatter of the micro-batch's hidden states (an all-reduce counts 2).
-    # A MoE layer's MLP part runs replicated: under sequence parallelism it gathers its input in
-    # forward and its output's gradient in backward (2), without it nothing.
-    n_tp = 8 * n_layers - (2 if layout.sp else 4) * n_moe + 2 * prank.has_output
+    # A MoE layer's MLP part routes each tp rank's own slice of the tokens: under sequence
+    # parallelism that is the stream's local part (no collective); without it the rank keeps its
+    # slice and all-gathers the outputs in forward and the input gradients in backward (2).
+    n_tp = 8 * n_layers - (4 if layout.sp else 2) * n_moe + 2 * prank.has_output
+    if (runtime.activation_recipe == "fivefold" and layout.tp > 1 and layout.sp and layout.recompute == "none"
+            and not workload.keep_gathered):
+        # Backward gathers each gathered input again from the shard its matmuls kept
+        # (parallel/sharded_inputs.py): attention's, a dense MLP's and the output layer's. (The
+        # nanotron profile's constants were fitted on its runs as they are.)
+        n_tp += 2 * n_layers - n_moe + prank.has_output
     n_stream = 2 * prank.has_embedding
     tp_b = (n_tp * comm.tp_bytes_per_collective(layout, tokens_local, stats.dim, pr.act_bytes)
             + n_stream * comm.tp_bytes_per_collective(layout, tokens_local, stats.dim, pr.param_bytes))
@@ -100,8 +127,8 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     if layout.cp_method == "ring":
         cp_t = max(0.0, cp_t - attention)  # ring attention hides the passes behind its blocks
 
-    # Every tp rank routes all of the micro-batch's tokens (the MoE layer runs replicated over tp).
-    ep_one = comm.ep_bytes_per_moe_layer(layout, tokens_local, stats.dim, stats.top_k, pr.act_bytes)
+    # Each tp rank routes its 1/tp of the micro-batch's tokens (parallel/tensor.py).
+    ep_one = comm.ep_bytes_per_moe_layer(layout, tokens_local / layout.tp, stats.dim, stats.top_k, pr.act_bytes)
     ep_b = n_moe * ep_one
     ep_t = n_moe * 4 * comm.all_to_all_time(ep_one / 4, links["ep"], hw)  # 4 exchanges/layer
 
@@ -110,10 +137,12 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     pp_t = 2 * v * comm.p2p_time(pp_b / (2 * v), links["pp"], hw) if pp_b else 0.0
 
     gpu = compute + tp_t + cp_t + ep_t + pp_t
-    host_per_layer = runtime.host_s_per_layer_tp if layout.tp > 1 else runtime.host_s_per_layer
+    # Host: kernel launches and collective calls; the host runs ahead of the GPU, so only what a
+    # layer's launches take beyond its GPU time shows (short kernels: small micro-batches, high tp).
+    collectives = n_tp + n_stream + 4 * n_moe * (layout.ep > 1) + 2 * n_layers * (layout.cp > 1)
+    host = n_layers * runtime.kernels_per_layer * runtime.launch_s + collectives * runtime.collective_host_s
     if layout.tp > 1 and layout.pp > 1 and not links["pp"].intra_node:
-        host_per_layer += runtime.host_s_per_layer_per_tp_peer_pp_inter * layout.tp
-    host = n_layers * host_per_layer
+        host += n_tp * runtime.pp_cross_node_wait_per_tp_peer_s * layout.tp
     seconds = {"compute": compute, "tp": tp_t, "cp": cp_t, "ep": ep_t, "pp": pp_t,
                "host": max(0.0, host - gpu)}
     return seconds, {"tp": tp_b, "cp": cp_b, "ep": ep_b, "pp": pp_b}
@@ -148,6 +177,11 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
             total_bytes += (n - 1) / n * (reductions * grads + weights)
             hidden += reductions * comm.gather_time(grads, link, hw, eff)
             exposed += comm.gather_time(weights, link, hw, eff)
+        elif runtime.fsdp_gather_once_in_pipeline and layout.pp > 1:
+            # torchtitan under a pipeline: blocks stay gathered over all micro-batches of a step
+            # (reshard_after_forward=False) and gradients are reduce-scattered once.
+            total_bytes += (n - 1) / n * (grads + weights)
+            hidden += comm.gather_time(grads, link, hw, eff) + comm.gather_time(weights, link, hw, eff)
         else:
             # fivefold's FSDP2 units: every block is gathered in forward and again in backward
             # (once under the zero-bubble schedules, which keep blocks gathered in between); the
@@ -182,6 +216,11 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
         for key, val in nbytes.items():
             per_mb_bytes[key] = max(per_mb_bytes[key], val)
 
+    # nanotron's stall of every pipeline slot beyond one scalable unit (Runtime.slot_stall_s; 0 for fivefold).
+    nodes = layout.world_size / gpn
+    if runtime.slot_stall_s and nodes > hw.scalable_unit_nodes:
+        worst = {**worst, "stall": runtime.slot_stall_s}
+        t_mb += worst["stall"]
     slots = bubble_slots(layout, m)
     pipe_time = (m + slots) * t_mb
 
@@ -205,7 +244,14 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
 
     # MLA's latent projections and norms run whole on every tp rank and their gradients are partial
     # sums: one fp32 all-reduce over tp per step, before the data-parallel reduction (grad_norm.py).
-    latent = max(len(p.layers) for p in ranks) * stats.latent_params * pr.grad_bytes
+    # So do an MoE layer's weights, whose tokens are split over tp (parallel/tensor.py): the router
+    # and shared experts, and the routed experts at ep = 1 (under ep the expert-data-parallel
+    # reduction, which spans the tp ranks holding the same experts, sums them: the dp term).
+    moe_partial = stats.router_params + stats.shared_expert_params
+    if layout.ep == 1:
+        moe_partial += stats.n_experts * stats.expert_params
+    latent = (max(len(p.layers) * stats.latent_params + p.moe_layers * moe_partial for p in ranks)
+              * pr.grad_bytes * (layout.tp > 1))
     latent_b = 2 * (layout.tp - 1) / layout.tp * latent
     latent_t = comm.all_reduce_time(latent, links["tp"], hw)
 
@@ -221,4 +267,4 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     return Estimate(layout=layout, memory=memory, memory_limit=hw.memory_bytes, step_time_s=step,
                     tokens_per_sec_per_gpu=tok_s_gpu, mfu=mfu,
                     bubble_fraction=bubble_fraction(layout, m), comm_bytes=comm_bytes,
-                    time_parts=parts)
+                    time_parts=parts, error=runtime.tokens_per_sec_error)

@@ -1,9 +1,11 @@
 """Hardware profiles (what a GPU and its cluster can do) and the runtime profile (what our eager
 PyTorch stack costs on top of the hardware).
 
-Numbers are datasheet values where a datasheet exists; the few "achievable" constants are
-calibrated once against the published Ultra-Scale Playbook runs (benchmarks/planner_accuracy.py)
-and are documented next to their value. No constant is fitted per model or per layout.
+Numbers are datasheet values where a datasheet exists; the few "achievable" constants are fitted
+on two published data sets, the Ultra-Scale Playbook's nanotron runs and torchtitan's PyTorch-native
+runs (`PYTHONPATH=src .venv/bin/python benchmarks/calibrate_time.py`; errors from
+benchmarks/planner_accuracy.py in benchmarks/RESULTS.md, 2026-12-01) and are documented next to
+their value. No constant is fitted per model, per layout or per row.
 """
 
 from __future__ import annotations
@@ -25,15 +27,22 @@ class Hardware:
     nic_bw: float  # achievable network bandwidth per GPU (one NIC per GPU), bytes/s
     gpus_per_node: int = 8
     # Share of peak that a transformer's matmuls + fused attention reach in a real training step
-    # (not a microbenchmark). Calibrated with Runtime.elementwise_passes: the 1-node Playbook runs
-    # (39-47% MFU on H100 for 1B-8B models) are predicted within 7% at 0.50.
-    matmul_efficiency: float = 0.50
+    # (not a microbenchmark). Fitted with Runtime.elementwise_passes on both data sets
+    # (benchmarks/calibrate_time.py): 0.55.
+    matmul_efficiency: float = 0.55
     # Latency of one step of a ring collective (a ring over n ranks takes n-1 steps).
     intra_latency_s: float = 10e-6  # NVLink hop
-    # IB hop as seen by NCCL rings spanning nodes. Calibrated: the Playbook's tp=16 (2 nodes) and
-    # tp=32 (4 nodes) runs at 1 sequence per micro-batch take 8 and 16 ms per layer for every
-    # model size, i.e. latency-bound: 8 collectives x (t-1) steps x ~65 us.
-    inter_latency_s: float = 65e-6
+    # IB hop as seen by NCCL rings spanning nodes. Fitted (calibrate_time.py): the Playbook's tp=16
+    # (2 nodes) and tp=32 (4 nodes) runs at 1 sequence per micro-batch take 8 and 16 ms per layer
+    # for every model size, i.e. latency-bound: 8 collectives x (t-1) steps x ~50 us.
+    inter_latency_s: float = 57e-6
+    # A collective spanning k nodes reaches nic_bw / (1 + (k - 1) / fabric_nodes) per GPU: the
+    # more nodes a ring or tree crosses, the more of its traffic goes through the spine switches
+    # (oversubscribed, shared with other flows). Calibrated on both data sets (calibrate_time.py).
+    fabric_nodes: float = 36.0
+    # Nodes under one set of leaf switches (a DGX SuperPOD "scalable unit" is 32 nodes): a job
+    # larger than that has every transfer's path cross the spine.
+    scalable_unit_nodes: int = 32
     fused_attention: bool = True  # FlashAttention-style kernel: no s^2 score matrix is stored
     # ... also for a value head dim other than q/k's (MLA): CUDA's memory-efficient kernel takes
     # one, the CPU flash kernel does not (SDPA then runs its math path).
@@ -89,10 +98,13 @@ PROFILES: dict[str, Hardware] = {
 
 @dataclass(frozen=True)
 class Runtime:
-    """What the training software costs beyond the hardware (eager PyTorch, NCCL, allocator).
+    """What the training software costs beyond the hardware (framework, NCCL, allocator).
 
-    Calibrated on the Playbook's nanotron runs (eager PyTorch, like fivefold without compile);
-    benchmarks/planner_accuracy.py reports how well these few constants explain 1,620 runs.
+    Three profiles below: fivefold eager, fivefold compiled (both calibrated on torchtitan's
+    PyTorch-native runs, the stack fivefold is built from) and nanotron (the Playbook's runs).
+    Every time constant is a physical quantity (a host time per kernel, a share of a bandwidth,
+    a number of passes over memory); none is fitted per model, per layout or per row. The fitted
+    values come from `benchmarks/calibrate_time.py` (command and errors in benchmarks/RESULTS.md).
     """
     # cuBLAS/NCCL workspaces and allocator fragmentation: memory no tensor of the model owns.
     fixed_bytes: float = 0.5 * GB
@@ -102,37 +114,76 @@ class Runtime:
     # 'nanotron' recipe: bytes per logit element held at the loss: bf16 logits (2), the fp32 copy
     # the softmax works on (4), and its fp32 gradient (4).
     logits_bytes_per_element: float = 10.0
-    # Host time to launch one transformer layer's kernels (forward + backward) for one micro-batch.
-    # The GPU cannot run faster than the host feeds it: a stage's micro-batch takes at least
-    # layers x this. With tensor parallelism every layer adds collectives and many more small
-    # kernels, which is why the Playbook's tp>1 runs at 1 sequence per micro-batch all take
-    # ~4.5 ms per layer whatever t is.
-    host_s_per_layer: float = 1.0e-3
-    host_s_per_layer_tp: float = 4.4e-3
-    # Observed in every Playbook run whose pipeline crosses nodes with tp > 1: the per-layer floor
-    # grows with t (about 10, 15 and 24 ms at t = 2, 4, 8, whatever the model size), as if the
-    # host serviced each tensor-parallel peer's share of the cross-node pipeline traffic in turn.
-    host_s_per_layer_per_tp_peer_pp_inter: float = 2.1e-3
+    # Kernel launches. The host issues one layer's forward + backward as `kernels_per_layer`
+    # kernels (a count of the ops of an eager Llama block: norms, projections, RoPE, attention,
+    # SwiGLU, residuals, casts, and their backward), each costing `launch_s` of host time
+    # (framework dispatch + cudaLaunch). The host runs ahead of the GPU, so launches are hidden
+    # while kernels are longer than that and show only when a layer's GPU work is shorter than
+    # its launches: exposed = max(0, kernels x launch - GPU time), per layer.
+    launch_s: float = 12e-6
+    kernels_per_layer: int = 110
+    # Host time of one collective call (enqueue, handle bookkeeping, the stream wait before the
+    # consumer): tensor parallelism issues 8 per layer.
+    collective_host_s: float = 60e-6
+    # nanotron only: with tp > 1 and the pipeline across nodes, each tensor-parallel collective
+    # waits behind the pending cross-node pipeline transfers of its tp peers (one device queue per
+    # GPU, CUDA_DEVICE_MAX_CONNECTIONS=1), about this long per peer. 0 in fivefold's profiles.
+    pp_cross_node_wait_per_tp_peer_s: float = 0.0
+    # nanotron only: a stall of every pipeline slot (every micro-batch step) once the job spans
+    # more than one scalable unit of the cluster (Hardware.scalable_unit_nodes). The Playbook's
+    # 64-node runs lose 0.7-1 s per slot whatever the model, tp or micro-batch size; no bandwidth
+    # or latency of the fabric explains it (see RESULTS.md, 2026-12-01). 0 in fivefold's profiles:
+    # torchtitan's 64-node runs show none.
+    slot_stall_s: float = 0.0
     # Elementwise kernels read and write each saved activation this many times over forward and
-    # backward (memory-bound work that the matmul efficiency does not cover).
+    # backward (memory-bound work that the matmul efficiency does not cover); compile fuses them.
     elementwise_passes: float = 4.0
-    # Share of tensor-parallel communication the GPU does not hide behind matmuls.
+    # Share of tensor-parallel communication the GPU does not hide behind matmuls (fivefold's
+    # DTensor TP runs its collectives between the matmuls: nothing hidden).
     tp_exposed_fraction: float = 1.0
-    # Share of the link bandwidth the data-parallel gradient reduction reaches. Calibrated: the
-    # Playbook's multi-node data-parallel runs lose 0.1-0.6 s per step to it, as if their fp32
-    # gradient buffers moved at ~25 GB/s per GPU of the ring and node (60% of the NIC rate).
+    # Share of the link bandwidth the data-parallel gradient reduction reaches.
     dp_bw_efficiency: float = 0.6
-    # Share of the last micro-batch's backward that gradient reduction hides behind. The Playbook's
-    # runs show no hiding (nanotron reduces its fp32 accumulation buffers after the last backward).
-    dp_overlap_fraction: float = 0.0
+    # Share of the window that gradient reduction / FSDP gathers hide behind (plan/estimate.py:
+    # the last micro-batch's backward for zero 0/1, every backward for zero 2, all compute for
+    # zero 3). fivefold launches its buckets from gradient hooks and FSDP2 prefetches; nanotron
+    # reduces its fp32 accumulation buffers after the last backward (0).
+    dp_overlap_fraction: float = 1.0
     # Fixed cost of every optimizer step beyond the optimizer's memory traffic: gradient norm and
-    # clipping, zeroing, loss reduction, logging (many small eager kernels per parameter tensor).
+    # clipping, zeroing, loss reduction, logging (many small kernels per parameter tensor).
     step_overhead_s: float = 0.08
+    # FP8 linear layers (torchtitan's float8 rows only; fivefold has no FP8): how much faster the
+    # matmuls of nn.Linear run, after the casts, than in bf16 (the FP8 peak is 2x).
+    float8_linear_speedup: float = 1.0
+    # torchtitan only (its PP + FSDP keeps blocks gathered across a step's micro-batches);
+    # fivefold gathers each block for every micro-batch's forward and backward (parallel/fsdp.py).
+    fsdp_gather_once_in_pipeline: bool = False
+    # The calibration's tokens/s error for this profile (median, 90th percentile of |pred/meas-1|),
+    # printed as the uncertainty band beside every prediction.
+    tokens_per_sec_error: tuple[float, float] = (0.092, 0.27)  # torchtitan's 18 runs
 
 
-DEFAULT_RUNTIME = Runtime()
-# The Playbook's runs were made with nanotron: its activations, the same constants otherwise.
-NANOTRON_RUNTIME = dataclasses.replace(DEFAULT_RUNTIME, activation_recipe="nanotron")
+# fivefold eager: calibrated on torchtitan's bf16/FP8 runs (8-512 H100s), the PyTorch-native
+# stack fivefold is built from (benchmarks/calibrate_time.py --profile eager).
+FIVEFOLD_EAGER = Runtime()
+# fivefold with train.compile: Inductor fuses the elementwise chains (fewer passes over memory,
+# fewer and longer kernels).
+FIVEFOLD_COMPILED = dataclasses.replace(FIVEFOLD_EAGER, elementwise_passes=3.1, kernels_per_layer=40)
+DEFAULT_RUNTIME = FIVEFOLD_EAGER
+# The Playbook's runs were made with nanotron: its activations, async TP linear (part of the tp
+# traffic hidden), fp32 gradient buffers reduced after the last backward, and its own host costs
+# (calibrated on playbook_runs_dev.csv, benchmarks/calibrate_time.py --profile nanotron).
+NANOTRON_RUNTIME = dataclasses.replace(
+    DEFAULT_RUNTIME, activation_recipe="nanotron", launch_s=7.4e-6, collective_host_s=425e-6,
+    pp_cross_node_wait_per_tp_peer_s=0.286e-3, slot_stall_s=0.88,
+    dp_bw_efficiency=0.92, elementwise_passes=6.4, dp_overlap_fraction=0.0,
+    tokens_per_sec_error=(0.116, 2.27))  # the Playbook's 1,620 runs (90th pct: the stalled runs)
+
+
+def runtime_for(compile: bool = False, family: str = "fivefold") -> Runtime:
+    """The runtime profile of a run: fivefold eager or compiled, or 'nanotron'."""
+    if family == "nanotron":
+        return NANOTRON_RUNTIME
+    return FIVEFOLD_COMPILED if compile else FIVEFOLD_EAGER
 
 
 def hardware_for(name: str, gpus_per_node: int | None = None, **overrides) -> Hardware:

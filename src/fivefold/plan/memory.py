@@ -27,12 +27,17 @@ the queries and of the attention output (h unless head_dim is explicit, as in Qw
       fp32 copies of q, k, v and the fp32 softmax (heads x every key), and ring attention's plain
       path, under 'selective', its fp32 score tiles
   MLP: gate and up outputs, silu(gate), silu(gate)·up: 4f/t x A
-  MoE instead (replicated over tp): the k dispatched copies of each token, their expert output and
+  MoE instead (weights replicated over tp, tokens split: each tp rank routes 1/t of them, so
+      every term below is /t; the ffn norm's output is then read locally, h/t, not gathered):
+      the k dispatched copies of each token, their expert output and
       its weighted copy 3kh, each copy's SwiGLU 4kf (x A), shared experts' SwiGLU, the routing
       bookkeeping (fp32 scores, int64 top-k and sort indices: 4E + 41k bytes)
 'selective' keeps the block input and the outputs of the matmuls and attention (q, k, v and the
 attention output, and the row-parallel outputs whole, h x A, before their reduce-scatter; ring
-attention's cp kernels each keep their output and lse, all queries' on the last cp rank); 'full'
+attention's cp kernels each keep their output and lse, all queries' on the last cp rank) — or, where
+that is smaller (parallel/branch_split.py: tp ≥ 4 for Llama shapes), checkpoints the two residual
+branches apart and keeps the stream between them (h/s x S) and the output projections' inputs (the
+attention output, and the SwiGLU product f/t x A) instead of their whole outputs; 'full'
 keeps the block input. Per micro-batch the forward also keeps the RoPE tables (fp32 cos and sin,
 seq/cp x head_dim each); the last stage keeps the final norm, the fp32 log-softmax of the logits and
 the int64 labels. The weights' compute-dtype copies are model state ('other'), not activations.
@@ -55,10 +60,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fivefold.parallel.branch_split import split_branches
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
-from fivefold.plan.schedule import PipelineRank, in_flight_chunks, pipeline_ranks
+from fivefold.plan.schedule import PipelineRank, in_flight_per_chunk, outputs_held, pipeline_ranks
 from fivefold.plan.workload import Workload
 
 
@@ -86,9 +92,10 @@ class MemoryBreakdown:
 # ----------------------------------------------------------------------------------- parameters
 
 def layer_param_counts(stats: ModelStats, layout: Layout, layer: int) -> tuple[float, float]:
-    """(dense, expert) parameters of one layer held by one rank. A MoE layer runs replicated over
-    tp (parallel/expert.py): each tp rank holds the router, the shared experts and its ep share of
-    the routed experts whole; so does latent attention its down-projections and their norms."""
+    """(dense, expert) parameters of one layer held by one rank. A MoE layer's weights are
+    replicated over tp (parallel/tensor.py; its tokens are split): each tp rank holds the router,
+    the shared experts and its ep share of the routed experts whole; so does latent attention its
+    down-projections and their norms."""
     t = layout.tp
     dense = (stats.attention_params - stats.latent_params) / t + stats.latent_params + stats.norm_params
     if not stats.is_moe(layer):
@@ -120,10 +127,14 @@ def root_params(stats: ModelStats, layout: Layout, prank: PipelineRank) -> float
 
 
 def expert_shard_degree(layout: Layout) -> int:
-    """Ranks an expert's ZeRO-sharded state is split over: the data-parallel ranks that hold
-    the same experts, dp x cp over ep (ep borrows from dp·cp only) — under HSDP too: experts are
-    sharded across the replicas as well, not only inside a dp_shard group."""
-    return max(1, layout.dp * layout.cp // layout.ep)
+    """Ranks an expert's ZeRO-sharded state is split over: the ranks that hold the same experts,
+    dp x cp x tp over ep (mesh.py: ep borrows from dp·cp·tp, and the tp ranks holding the same
+    experts, which route different tokens, reduce and shard their gradients together) — under
+    HSDP too: experts are sharded across the replicas as well, not only inside a dp_shard group.
+    Without expert parallelism the experts are dense weights, sharded as they are."""
+    if layout.ep == 1:
+        return layout.shard_degree
+    return max(1, layout.dp * layout.cp * layout.tp // layout.ep)
 
 
 def sharded_params(layout: Layout, dense: float, experts: float) -> float:
@@ -175,7 +186,7 @@ def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq
         k, n_shared = stats.top_k, stats.shared_expert_params / stats.expert_params
         # each token's top_k copies: dispatched input h and combined output h, plus the SwiGLU
         # of every routed and shared expert it visits; router scores (fp32) per token
-        mlp = (k * (2 * h + 4 * f) + n_shared * 4 * f) / t + 2 * stats.n_experts / seq_split
+        mlp = (k * (2 * h + 4 * f) + n_shared * 4 * f) / t + 2 * stats.n_experts / t  # tokens split over tp
         silu = (k + n_shared) * f / t
     else:
         mlp = 4 * stats.ffn_dim / t
@@ -195,27 +206,45 @@ def rank_activation_elements(stats: ModelStats, prank: PipelineRank, layout: Lay
 
 
 def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len: int, recompute: str,
-                         precision, fused_attention: bool) -> float:
-    """Bytes one of fivefold's blocks keeps per token of one micro-batch on one rank (docstring)."""
+                         precision, fused_attention: bool, keep_gathered: bool = False) -> float:
+    """Bytes one of fivefold's blocks keeps per token of one micro-batch on one rank (docstring).
+    keep_gathered: parallel.sp_keep_gathered (else, with sp and no recomputation, the matmuls
+    reading the gathered sequence keep its shard: parallel/sharded_inputs.py)."""
     h, t = stats.dim, layout.tp
     s = t if (t > 1 and layout.sp) else 1
     S, A = precision.param_bytes, precision.act_bytes
+    # What a norm's output costs as the matmuls that read it keep it: the gathered sequence, or
+    # under sharded_inputs.py its shard.
+    gathered = h / s * A if (s > 1 and recompute == "none" and not keep_gathered) else h * A
     if recompute == "full":
         return h / s * S
-    if stats.is_moe(layer):  # replicated over tp (parallel/expert.py): whole, not split by t or s
+    if stats.is_moe(layer):  # tokens split over tp (parallel/tensor.py): each rank routes 1/t of them
         f = stats.expert_params / (3 * h)
         k, n_experts = stats.top_k, stats.n_experts
         n_shared = stats.shared_expert_params / stats.expert_params
         mlp = ((3 * k * h + 4 * k * f + n_shared * 4 * f) * A
-               + 4 * n_experts + 41 * k + 4)  # routing bookkeeping: scores, top-k, sort (int64)
-        mlp_selective = (k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A
+               + 4 * n_experts + 41 * k + 4) / t  # routing bookkeeping: scores, top-k, sort (int64)
+        # The router reads the ffn norm's output locally (h/t), not gathered whole as `norms` counts.
+        mlp -= gathered - h / t * A
+        mlp_selective = (k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A / t
     else:
         mlp = 4 * stats.ffn_dim / t * A
         mlp_selective = (2 * stats.ffn_dim / t + h) * A  # gate and up outputs, the down projection's whole output
     attention = fivefold_attention_bytes(stats, layout, seq_len, recompute, A, fused_attention)
-    if recompute == "selective":  # + the output projection's whole output
-        return h / s * S + attention + h * A + mlp_selective
-    norms = 2 * (2 * h / s * S + 4 / s + h * A)  # + each output in A, as the matmuls read it
+    if recompute == "selective":
+        o = stats.o_dim / t
+        projection_inputs = [o] if stats.is_moe(layer) else [o, stats.ffn_dim / t]
+        if not split_branches(h, s, S, A, projection_inputs):  # + the output projection's whole output
+            return h / s * S + attention + h * A + mlp_selective
+        # Branches checkpointed apart (parallel/branch_split.py): the stream between them, and the
+        # projections' inputs instead of their outputs: the attention output (kept already, but for
+        # the contiguous copy the projection reads under cp or the math path) and the SwiGLU product.
+        math = not fused_attention and not (layout.cp_method == "ring" and layout.cp > 1)
+        copy = o * A if (layout.cp > 1 or math) else 0
+        if not stats.is_moe(layer):
+            mlp_selective += (stats.ffn_dim / t - h) * A
+        return 2 * h / s * S + attention + copy + mlp_selective
+    norms = 2 * (2 * h / s * S + 4 / s + gathered)  # + each output in A, as the matmuls read it
     return norms + attention + mlp
 
 
@@ -266,7 +295,7 @@ def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recom
     stats, seq = workload.stats, workload.seq_len
     if runtime.activation_recipe == "fivefold":
         return fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
-                                    hw.fuses_attention(stats))
+                                    hw.fuses_attention(stats), workload.keep_gathered)
     return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fuses_attention(stats))
             * workload.precision.act_bytes)
 
@@ -278,33 +307,52 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
     s = layout.tp if (layout.tp > 1 and layout.sp) else 1
     vocab = stats.vocab_size / layout.tp
     if runtime.activation_recipe == "fivefold":
-        # norm input and x·rstd, rstd, the output layer's input (gathered under sp); the fp32
-        # log-softmax of the vocab-parallel logits; in backward their fp32 and A gradients.
-        norm = 2 * stats.dim / s * pr.param_bytes + 4 / s + stats.dim * pr.act_bytes
+        # norm input and x·rstd, rstd, the output layer's input (gathered under sp: its shard
+        # where sharded_inputs.py applies); the fp32 log-softmax of the vocab-parallel logits; in
+        # backward their fp32 and A gradients.
+        sharded = s > 1 and layout.recompute == "none" and not workload.keep_gathered
+        norm = 2 * stats.dim / s * pr.param_bytes + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
         return norm, 4 * vocab + 8, (4 + pr.act_bytes) * vocab  # + the int64 labels
     return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0
 
 
 def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, rank: int,
                      micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
-    """(saved activations at the peak, transient working memory) of one pipeline rank."""
+    """(saved activations at the peak, transient working memory) of one pipeline rank: each chunk
+    (pipeline stage) of the rank holds its in-flight micro-batches (plan/schedule.py)."""
     tokens = layout.mbs * workload.seq_len / layout.cp  # tokens of one micro-batch on this rank
-    in_flight = in_flight_chunks(layout, rank, micro_batches)
-    saved = in_flight * tokens * sum(
-        count * layer_activation_bytes(workload, layer, layout, layout.recompute, hw, runtime)
-        for layer, count in prank.kinds)
-    if runtime.activation_recipe == "fivefold" and prank.layers:
-        # Each micro-batch's RoPE tables: fp32 cos and sin of its local positions (one per sequence
-        # position, shared by the batch).
-        saved += in_flight * 2 * 4 * workload.seq_len / layout.cp * workload.stats.rope_dim
+    fivefold = runtime.activation_recipe == "fivefold"
+    counts = in_flight_per_chunk(layout, rank, micro_batches)
+    # Layers of a kind (dense, MoE) keep the same: computed once per kind.
+    per_kind = {workload.stats.is_moe(layer): layer_activation_bytes(workload, layer, layout, layout.recompute,
+                                                                     hw, runtime)
+                for layer, _ in prank.kinds}
+    s = layout.tp if (layout.tp > 1 and layout.sp) else 1
+    stream = workload.stats.dim / s * workload.precision.param_bytes  # one stage output, per token
+    saved = 0.0
+    for count, layers, sends in zip(counts, prank.chunks, prank.sends):
+        saved += count * tokens * sum(per_kind[workload.stats.is_moe(i)] for i in layers)
+        if fivefold and layers:
+            # Each micro-batch's RoPE tables: fp32 cos and sin of its local positions (one per
+            # sequence position, shared by the batch).
+            saved += count * 2 * 4 * workload.seq_len / layout.cp * workload.stats.rope_dim
+        if fivefold and sends:  # the outputs sent on, until the send is known done
+            saved += outputs_held(layout, count, micro_batches) * tokens * stream
     # The backward of one layer materialises gradients about as large as what that layer saved;
     # under full recomputation it first rebuilds that layer's activations as well.
     biggest = max((layer_activation_bytes(workload, layer, layout, "none", hw, runtime)
                    for layer, _ in prank.kinds), default=0.0)
     working = biggest * tokens * (2 if layout.recompute == "full" else 1)
     if prank.has_output:
+        last = counts[-1]  # the last stage is the rank's last chunk
         norm, logits, logits_grad = output_bytes(workload, layout, runtime)
-        saved += (norm * in_flight + logits) * tokens
+        # Each in-flight micro-batch's final norm and loss graph; a split backward's input pass
+        # (run right after the last stage's forward) frees the graph above the output layer's
+        # weight, the log-softmax with it: only the newest micro-batch's is held.
+        saved += (norm * last + logits * (min(last, 1) if layout.split_backward else last)) * tokens
+        if fivefold and layout.pp > 1:
+            # The schedule holds the newest micro-batch's logits (A x vocab/t) until its next forward.
+            saved += workload.precision.act_bytes * workload.stats.vocab_size / layout.tp * tokens
         working += logits_grad * tokens
     return saved, working
 

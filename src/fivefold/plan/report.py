@@ -24,8 +24,15 @@ def to_json(candidates: list[Estimate], rejected: list[Rejected] | None = None) 
 def _row(i: int, est: Estimate) -> list[str]:
     mem = est.memory
     return [str(i), est.layout.short(), "yes" if est.fits else "NO",
-            f"{mem.total / GB:.1f}", f"{est.tokens_per_sec_per_gpu:,.0f}", f"{est.mfu:.1%}",
+            f"{mem.total / GB:.1f}", f"{est.tokens_per_sec_per_gpu:,.0f}", _band(est), f"{est.mfu:.1%}",
             _seconds(est.step_time_s), f"{est.bubble_fraction:.0%}"]
+
+
+def _band(est: Estimate) -> str:
+    """The calibration's error beside the prediction: half the published runs fell within the
+    first, nine in ten within the second (benchmarks/RESULTS.md, planner accuracy)."""
+    med, p90 = est.error
+    return f"±{med:.0%}/{p90:.0%}"
 
 
 def _seconds(value: float) -> str:
@@ -43,7 +50,7 @@ def _format(rows: list[list[str]], header: list[str]) -> list[str]:
 
 def table(candidates: list[Estimate], title: str, rejected: list[Rejected] | None = None,
           n_fitting: int | None = None, n_rejected: int | None = None) -> str:
-    header = ["#", "layout", "fits", "mem GB", "tok/s/GPU", "MFU", "step s", "bubble"]
+    header = ["#", "layout", "fits", "mem GB", "tok/s/GPU", "± p50/p90", "MFU", "step s", "bubble"]
     lines = [title, ""]
     lines += _format([_row(i + 1, e) for i, e in enumerate(candidates)], header)
     lines.append("")
@@ -58,6 +65,9 @@ def table(candidates: list[Estimate], title: str, rejected: list[Rejected] | Non
             mem = " ".join(f"{getattr(m, k) / GB:.1f}" for k in MEMORY_PARTS)
             com = " ".join(f"{est.comm_bytes[k] / GB:.2g}" for k in ("dp", "tp", "pp", "cp", "ep"))
             lines.append(f"{i + 1}. memory {mem} | comm {com}")
+    if candidates:
+        lines += ["", "± p50/p90: the time model's tokens/s error on published runs (half within the "
+                  "first, nine in ten within the second; benchmarks/RESULTS.md)"]
     if n_fitting is not None:
         lines += ["", f"{n_fitting} layouts fit; showing the top {len(candidates)}."]
     if rejected:

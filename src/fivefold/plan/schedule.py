@@ -36,13 +36,18 @@ class PipelineRank:
     # layers of a kind are identical, so per-layer quantities are computed once per kind.
     kinds: tuple[tuple[int, int], ...] = ()
     moe_layers: int = 0
+    # The layers of each of the rank's chunks (stages), in stage order, and whether each sends its
+    # output to another rank (not the last stage, nor a V's turning stage, whose next is local).
+    chunks: tuple[tuple[int, ...], ...] = ()
+    sends: tuple[bool, ...] = ()
 
 
-def _rank(stats: ModelStats, layers: tuple[int, ...], first: bool, last: bool) -> PipelineRank:
+def _rank(stats: ModelStats, layers: tuple[int, ...], first: bool, last: bool,
+          chunks: tuple[tuple[int, ...], ...] = (), sends: tuple[bool, ...] = ()) -> PipelineRank:
     moe = [i for i in layers if stats.is_moe(i)]
     dense = [i for i in layers if not stats.is_moe(i)]
     kinds = tuple((group[0], len(group)) for group in (dense, moe) if group)
-    return PipelineRank(layers, first, last, kinds, len(moe))
+    return PipelineRank(layers, first, last, kinds, len(moe), chunks or (layers,), sends or (False,))
 
 
 @lru_cache(maxsize=4096)
@@ -90,29 +95,61 @@ def _pipeline_ranks(stats: ModelStats, p: int, v: int, v_shaped: bool, pp_layers
     for r in range(p):
         mine = [c for c in range(n_chunks) if owner[c] == r]
         layers = tuple(i for c in mine for i in bounds[c])
-        ranks.append(_rank(stats, layers, 0 in mine, n_chunks - 1 in mine))
+        sends = tuple(c < n_chunks - 1 and owner[c + 1] != r for c in mine)
+        ranks.append(_rank(stats, layers, 0 in mine, n_chunks - 1 in mine,
+                           tuple(bounds[c] for c in mine), sends))
     return tuple(ranks)
 
 
 def in_flight_chunks(layout: Layout, rank: int, micro_batches: int) -> float:
     """Micro-batches whose activations rank `rank` holds at its peak, in units of one micro-batch
-    through all of that rank's layers."""
+    through all of that rank's layers (chunks of equal size)."""
+    return sum(in_flight_per_chunk(layout, rank, micro_batches)) / chunks_per_rank(layout)
+
+
+def in_flight_per_chunk(layout: Layout, rank: int, micro_batches: int) -> tuple[int, ...]:
+    """For each of rank `rank`'s chunks (stage order), the micro-batches whose forward has run and
+    whose backward has not finished at the rank's peak: the moment it has run the most forwards
+    ahead of their backwards. Counted from the orders torch.distributed.pipelining's schedules
+    run (checked against their action tables in tests/test_plan_activations.py):
+      gpipe: every forward before any backward; 1f1b: p - rank warm-up forwards;
+      interleaved_1f1b: (v-1)·g + 2(p-1-rank) warm-up forwards, g micro-batches a round, cycling
+          through the chunks, then one more before the first backward;
+      zb (torch's interleaved zero bubble): its input-gradient pass keeps the graph for the
+          weight pass, so (v-1)·g + p forwards, on every rank;
+      zbv: the first chunk 2p-1-rank, the second rank+1; dualpipev: 2p-rank and rank+1."""
     p, m, v = layout.pp, micro_batches, chunks_per_rank(layout)
     if p == 1:
-        return 1.0
+        return (1,)
     sched = layout.pp_schedule
     if sched == "gpipe":
-        return float(m)  # all forwards run before any backward
-    if sched in ("1f1b", "zb"):
-        return float(min(p - rank, m))  # ZB-H1 keeps 1F1B's peak memory
-    if sched == "interleaved_1f1b":
-        warmup_chunks = min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
-        return warmup_chunks / v  # rank 0: p (1 + (p-1)/(p v))
+        return (m,)
+    if sched == "1f1b":
+        return (min(p - rank, m),)
+    if sched in ("interleaved_1f1b", "zb"):
+        per_round = m // max(1, m // p)  # torch's microbatches_per_round
+        ahead = ((v - 1) * per_round + 2 * (p - 1 - rank) + 1 if sched == "interleaved_1f1b"
+                 else (v - 1) * per_round + p)
+        ahead = min(ahead, m * v)
+        counts = [0] * v
+        for k in range(ahead):  # forward k runs chunk (k // per_round) % v
+            counts[(k // per_round) % v] += 1
+        return tuple(counts)
     if sched == "zbv":
-        return float(min(p, m))  # same peak as 1F1B's first rank, on every rank
+        return (min(2 * p - 1 - rank, m), min(rank + 1, m))
     if sched == "dualpipev":
-        return float(min(p + 1, m))  # DualPipe table: PP + 1
+        return (min(2 * p - rank, m), min(rank + 1, m))
     raise ValueError(sched)
+
+
+def outputs_held(layout: Layout, in_flight: int, micro_batches: int) -> int:
+    """Stage outputs a sending chunk still holds at the peak (parallel/pipeline.py): each in-flight
+    micro-batch's until its backward has run; under Schedule1F1B, which lets go of a send one
+    micro-batch later, the newest output, the one before and, once the steady phase has begun, the
+    last warm-up send but one, whose work it keeps to the end."""
+    if layout.pp_schedule != "1f1b":
+        return in_flight
+    return min(in_flight, 2) + (1 if micro_batches > in_flight >= 2 else 0)
 
 
 def bubble_slots(layout: Layout, micro_batches: int) -> float:

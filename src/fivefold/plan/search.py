@@ -57,6 +57,9 @@ def layout_problem(cfg: Config, workload: Workload, layout: Layout, world: int |
             return str(err)
     p, v = layout.pp, chunks_per_rank(layout)
     m = layout.micro_batches(workload.global_batch)
+    if layout.split_backward and layout.recompute == "selective":  # fivefold.validate's rule
+        return (f"pp_schedule={layout.pp_schedule} splits each backward in two, which selective "
+                "recomputation cannot run; use recompute=full or none with it")
     if layout.pp_layers:
         try:
             parse_pp_layers(layout.pp_layers, p * v, workload.stats.n_layers)

@@ -43,6 +43,7 @@ class Workload:
     global_batch: int
     precision: Precision
     order: tuple[str, ...] = ("pp", "dp", "cp", "tp")  # outermost first
+    keep_gathered: bool = False  # parallel.sp_keep_gathered (plan/memory.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -53,4 +54,5 @@ def workload_from_config(cfg, precision: str | None = None) -> Workload:
     order = tuple(d.strip() for d in cfg.parallel.order.split(","))
     return Workload(stats=model_stats(cfg.model), seq_len=cfg.train.seq_len,
                     global_batch=cfg.train.global_batch,
-                    precision=PRECISIONS[precision or cfg.train.dtype], order=order)
+                    precision=PRECISIONS[precision or cfg.train.dtype], order=order,
+                    keep_gathered=cfg.parallel.sp_keep_gathered)

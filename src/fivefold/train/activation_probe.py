@@ -10,7 +10,8 @@ counts them apart (memory 'other'). Unlike saved-tensor hooks this also sees wha
 torch.utils.checkpoint keeps, so 'selective' and 'full' recomputation are measured like 'none';
 unlike allocator totals it is not disturbed by communication buffers freed late on other threads.
 
-Works for layouts without a pipeline (a pipeline runs forward and backward interleaved).
+Works for layouts without a pipeline (a pipeline runs forward and backward interleaved: its
+peak over a whole step is train/pipeline_probe.py's measurement, with this module's mode).
 """
 
 from __future__ import annotations

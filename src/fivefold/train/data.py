@@ -12,6 +12,11 @@
   sampler's position is just the step number.
 - Held out: the tail of the stream for small data; whole documents spread over the corpus for a
   prepared folder.
+- Documents (`data.document_mask`): each window comes with every token's document id (from the
+  prepared document index, or the document starts recorded while tokenizing small data) and, with
+  `data.document_positions`, its position in its document, for attention that stays inside
+  documents (models/documents.py). Ids only need to differ between neighbouring documents, so
+  each window's are renumbered 0, 1, 2... from its first token.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import numpy as np
 import torch
 
 from fivefold.config import ConfigError, DataConfig
+from fivefold.validate import check_documents
+from fivefold.models.documents import document_positions
+from fivefold.parallel.context import DocumentWindows
 from fivefold.train.mixture import GlobalBatches, parse_mix
 from fivefold.train.permutation import permute
 from fivefold.train.readers import SUFFIXES, file_documents, folder_files
@@ -93,8 +101,14 @@ def documents(cfg: DataConfig):
 def tokenize_corpus(cfg: DataConfig, tokenizer) -> np.ndarray:
     """All documents, tokenized and concatenated (a newline after each document). Documents are
     tokenized one at a time into int32 pieces, so only the tokens (not the text) are held whole."""
+    return tokenize_documents(cfg, tokenizer)[0]
+
+
+def tokenize_documents(cfg: DataConfig, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens as `tokenize_corpus`, the offset where each document starts)."""
     parts = [tokenizer.encode(doc + "\n") for doc in documents(cfg)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    starts = np.cumsum([0] + [len(p) for p in parts[:-1]]) if parts else np.zeros(0, dtype=np.int64)
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), starts.astype(np.int64)
 
 
 @dataclass
@@ -103,6 +117,7 @@ class Split:
 
     tokens: torch.Tensor
     seq_len: int
+    document_starts: np.ndarray | None = None  # offset in `tokens` of each document's first token
 
     @property
     def num_windows(self) -> int:
@@ -118,9 +133,15 @@ def load_splits(cfg: DataConfig, seq_len: int, vocab_size: int) -> tuple[Split, 
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
                           f"{vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}")
-    tokens = torch.from_numpy(tokenize_corpus(cfg, tokenizer).astype(np.int64))
-    n_val = int(len(tokens) * cfg.val_fraction)
-    train, val = Split(tokens[: len(tokens) - n_val], seq_len), Split(tokens[len(tokens) - n_val:], seq_len)
+    corpus, starts = tokenize_documents(cfg, tokenizer)
+    if cfg.document_mask:
+        check_documents(f"data.source '{cfg.source}'", len(starts))
+    tokens = torch.from_numpy(corpus.astype(np.int64))
+    n_train = len(tokens) - int(len(tokens) * cfg.val_fraction)
+    # The held-out tail starts inside a document: that piece is its first document.
+    val_starts = np.concatenate([[0], starts[starts > n_train] - n_train])
+    train = Split(tokens[:n_train], seq_len, starts[starts < n_train])
+    val = Split(tokens[n_train:], seq_len, val_starts)
     if train.num_windows == 0:
         raise ConfigError(f"data.source '{cfg.source}' has {len(tokens)} tokens, too few for one "
                           f"window of train.seq_len={seq_len}; add text or lower train.seq_len")
@@ -168,9 +189,55 @@ def rank_slice(batch: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
     return batch[rank * per_rank: (rank + 1) * per_rank]
 
 
+def window_documents(split, indices: np.ndarray) -> np.ndarray:
+    """(len(indices), seq_len+1): the index in its corpus of the document each token of these
+    windows belongs to (an in-memory `Split` or a prepared folder's `MappedSplit`)."""
+    offsets = np.asarray(indices, dtype=np.int64)[:, None] * split.seq_len + np.arange(split.seq_len + 1)
+    if isinstance(split, Split):
+        return np.searchsorted(split.document_starts, offsets, side="right") - 1
+    # A prepared split joins token ranges of the stream (cut at document starts) end to end.
+    piece = np.searchsorted(split.range_starts, offsets, side="right") - 1
+    begins = np.array([a for a, _ in split.ranges], dtype=np.int64)
+    stream = begins[piece] + offsets - split.range_starts[piece]
+    return np.searchsorted(split.shards.document_starts, stream, side="right") - 1
+
+
+class DocumentBatches(GlobalBatches):
+    """Global batches whose windows carry each token's document id (and its position in its
+    document when `restart_positions`): the same windows, in the same order, as GlobalBatches."""
+
+    def __init__(self, *args, restart_positions: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.restart_positions = restart_positions
+
+    def rank_batch(self, step: int, rank: int = 0, ranks: int = 1) -> DocumentWindows:
+        tokens = super().rank_batch(step, rank, ranks)
+        per_rank = self.global_batch // ranks
+        slots = step * self.global_batch + np.arange(rank * per_rank, (rank + 1) * per_rank)
+        # The window of each slot, as GlobalBatches.rank_batch draws it (mixture.py).
+        if self.schedule is None:
+            sources, draws = np.zeros(len(slots), np.int64), slots
+        else:
+            sources, draws = self.schedule.assign(slots)
+        ids = np.empty(tokens.shape, dtype=np.int64)
+        for s in np.unique(sources):
+            here = sources == s
+            ids[here] = window_documents(self.splits[s], self.orders[s].window_at(draws[here]))
+        renumbered = np.zeros_like(ids)  # 0, 1, 2... from each window's first token
+        renumbered[:, 1:] = np.cumsum(ids[:, 1:] != ids[:, :-1], axis=1)
+        documents = torch.from_numpy(renumbered)
+        return DocumentWindows(tokens, documents, document_positions(documents) if self.restart_positions else None)
+
+
 def load_training_data(cfg: DataConfig, seq_len: int, vocab_size: int, global_batch: int,
                        seed: int) -> tuple[GlobalBatches, GlobalBatches]:
-    """(train, held-out) global batches for any data source; held-out batches use seed+1."""
+    """(train, held-out) global batches for any data source; held-out batches use seed+1.
+    With `data.document_mask` their windows carry document ids (DocumentBatches)."""
+    def batches(*args):
+        if cfg.document_mask:
+            return DocumentBatches(*args, restart_positions=cfg.document_positions)
+        return GlobalBatches(*args)
+
     if cfg.mix or is_prepared(cfg.source):
         entries = parse_mix(cfg.mix) if cfg.mix else [(cfg.source, 1.0)]
         pairs = [prepared_splits(folder, seq_len, cfg.val_fraction) for folder, _ in entries]
@@ -178,15 +245,17 @@ def load_training_data(cfg: DataConfig, seq_len: int, vocab_size: int, global_ba
             if train.num_windows == 0:
                 raise ConfigError(f"'{folder}' has {train.num_tokens} training tokens, too few for one window "
                                   f"of train.seq_len={seq_len}; add text or lower train.seq_len")
+            if cfg.document_mask:
+                check_documents(f"the prepared folder '{folder}'", len(train.shards.document_starts))
         names, weights = [f for f, _ in entries], [w for _, w in entries]
-        train_batches = GlobalBatches([p[0] for p in pairs], names, weights, global_batch, seed)
+        train_batches = batches([p[0] for p in pairs], names, weights, global_batch, seed)
         # A source too small to hold documents out (or val_fraction = 0) is left out of evaluation.
         held = [(f, w, p[1]) for (f, w), p in zip(entries, pairs) if p[1].num_windows] or \
             [(f, w, p[1]) for (f, w), p in zip(entries, pairs)]
         total = sum(w for _, w, _ in held)
-        val_batches = GlobalBatches([v for _, _, v in held], [f for f, _, _ in held],
-                                    [w / total for _, w, _ in held], global_batch, seed + 1)
+        val_batches = batches([v for _, _, v in held], [f for f, _, _ in held],
+                              [w / total for _, w, _ in held], global_batch, seed + 1)
         return train_batches, val_batches
     train, val = load_splits(cfg, seq_len, vocab_size)
-    return (GlobalBatches([train], [cfg.source], [1.0], global_batch, seed),
-            GlobalBatches([val], [cfg.source], [1.0], global_batch, seed + 1))
+    return (batches([train], [cfg.source], [1.0], global_batch, seed),
+            batches([val], [cfg.source], [1.0], global_batch, seed + 1))

@@ -1,15 +1,18 @@
-"""Faults: naming the step when a collective times out, spotting a straggler rank, and the
-test-only fault injection of the [debug] section (crash, hang, NaN)."""
+"""Faults: one sentence for whatever ends a rank (a bad input, a collective timeout, out of memory,
+a bug), spotting a straggler rank, and the test-only fault injection of the [debug] section
+(crash, error, hang, NaN)."""
 
 from __future__ import annotations
 
 import os
 import time
+import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config
+from fivefold.config import Config, ConfigError
 from fivefold.parallel.collectives import all_reduce_scalars
 
 STRAGGLER_RATIO = 1.5  # a rank this much slower than the median step time is reported
@@ -35,26 +38,63 @@ def timeout_message(cfg: Config, rank: int) -> str:
             f"during {where}; another rank died or hangs there (its log says why)")
 
 
-def straggler(step_time_s: float, device: torch.device) -> dict | None:
-    """Every rank's step time (a collective over the world); the slowest rank when it took more
-    than STRAGGLER_RATIO x the median, else None. Same answer on every rank."""
+# Words of the errors a rank sees when a peer it talks to has gone (gloo and NCCL phrasings).
+_PEER_LOST = ("connection closed", "connection reset", "closed by peer", "broken pipe", "connection refused")
+
+
+@dataclass
+class Failure:
+    """Why a rank stopped, as the user reads it: one sentence, the exit code, and whether it is
+    only the echo of another rank's failure (a timeout, a lost peer), which the launcher names
+    only when no rank says more."""
+
+    sentence: str
+    exit_code: int
+    echo: bool = False
+    traceback: str = ""  # kept for a bug, which one sentence cannot explain
+
+
+def describe(err: BaseException, cfg: Config | None, rank: int) -> Failure:
+    where = f"step {progress.step}" if progress.step else "start-up"
+    if isinstance(err, ConfigError):
+        return Failure(str(err), 2)
+    if isinstance(err, torch.OutOfMemoryError):
+        first = str(err).splitlines()[0] if str(err) else ""
+        return Failure(f"rank {rank} ran out of memory during {where} ({first[:160]}); lower train.micro_batch, "
+                       "shard more (parallel.zero, tp, pp) or set train.recompute", 4)
+    text = str(err).lower()
+    if isinstance(err, RuntimeError) and cfg is not None and is_timeout(err):
+        return Failure(timeout_message(cfg, rank), 3, echo=True)
+    if isinstance(err, RuntimeError) and any(word in text for word in _PEER_LOST):
+        return Failure(f"rank {rank} lost contact with another rank during {where}; that rank failed first "
+                       "(its error says why)", 3, echo=True)
+    first = str(err).splitlines()[0] if str(err) else ""
+    return Failure(f"rank {rank} failed during {where}: {type(err).__name__}: {first[:300]}", 1,
+                   traceback="".join(traceback.format_exception(err)))
+
+
+def straggler(work_s: float, device: torch.device) -> dict | None:
+    """Every rank's own work time of a step (a collective over the world); the slowest rank when it
+    took more than STRAGGLER_RATIO x the median, else None. Same answer on every rank. Ranks that
+    exchange activations inside the step (tp, cp, pp, FSDP's gathers) wait there for a slow peer,
+    so its group shows the delay and the report may name one of the peers."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     mine = [0.0] * dist.get_world_size()
-    mine[dist.get_rank()] = step_time_s
+    mine[dist.get_rank()] = work_s
     times = all_reduce_scalars(mine, None, device)  # each rank's time in its own slot
     median = times.median().item()
     slowest = int(times.argmax())
     if median > 0 and times[slowest].item() > STRAGGLER_RATIO * median:
-        return {"rank": slowest, "step_time_s": times[slowest].item(), "median_step_time_s": median}
+        return {"rank": slowest, "work_s": times[slowest].item(), "median_work_s": median}
     return None
 
 
 # --- test-only fault injection ([debug]) ---------------------------------------------------------
 
 def maybe_crash(cfg: Config, step: int, rank: int) -> None:
-    """Rank `debug.crash_rank` dies abruptly (crash_at_step) or goes silent (hang_at_step) as the
-    step begins, in the first attempt only, so that a `--max-restarts` run can prove it recovers."""
+    """Rank `debug.crash_rank` dies abruptly (crash_at_step), goes silent (hang_at_step) or raises
+    (error_at_step) as the step begins, in the first attempt only, so that a `--max-restarts` run can prove it recovers."""
     d = cfg.debug
     if rank != d.crash_rank or restart_count() > 0:
         return
@@ -63,6 +103,15 @@ def maybe_crash(cfg: Config, step: int, rank: int) -> None:
         os._exit(17)  # like a lost node: no cleanup, no exception to catch
     if d.hang_at_step == step:
         time.sleep(3600)  # alive but silent: only the collective timeout can end the job
+    if d.error_at_step == step:  # an exception the trainer does not expect, as a bug would raise
+        raise RuntimeError(f"injected by debug.error_at_step={step}")
+
+
+def maybe_slow(cfg: Config, rank: int) -> None:
+    """Rank `debug.crash_rank` does `debug.slow_step_s` seconds of extra work in every step, as a
+    slower device or a busy host would: a straggler for the report to name."""
+    if cfg.debug.slow_step_s and rank == cfg.debug.crash_rank:
+        time.sleep(cfg.debug.slow_step_s)
 
 
 def inject_nan(cfg: Config, step: int) -> bool:

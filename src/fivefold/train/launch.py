@@ -1,11 +1,24 @@
 """Starting ranks: `fivefold train CONFIG --nproc N` launches N local workers through torch's
-elastic launcher (what torchrun uses); under torchrun the worker code runs directly."""
+elastic launcher (what torchrun uses); under torchrun the worker code runs directly.
+
+When a rank fails, torch elastic notices its exit within `monitor_interval` and stops the others,
+so a job never waits for a collective timeout. Each failing rank writes why (one sentence, a
+`faults.Failure`) to a file in the launcher's error folder instead of printing it; the launcher
+prints the first real failure once, not N copies, nor the echoes (timeouts, lost peers) of
+the ranks that were waiting for it.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import time
 import uuid
 
 from fivefold.config import ConfigError, load_config
@@ -30,27 +43,80 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
+ERROR_DIR = "FIVEFOLD_ERROR_DIR"  # set by launch_local: where its ranks say why they stopped
+
+
 def worker(config_path: str | None, overrides: list[str]) -> None:
-    """One rank's whole job. A ConfigError found late (e.g. data) prints its sentence, not a traceback."""
+    """One rank's whole job. Whatever ends it becomes one sentence (faults.describe): handed to
+    our launcher, or printed here when there is none (one process, torchrun)."""
+    from fivefold.train import faults
     from fivefold.train.trainer import train
 
     set_cpu_threads()
-    cfg = None
+    cfg, rank = None, int(os.environ.get("RANK", 0))
     try:
         cfg = load_config(config_path, overrides)
         train(cfg)
-    except ConfigError as err:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    except RuntimeError as err:  # a collective timed out: say at which step, not only where in c10d
-        from fivefold.train import faults
+    except Exception as err:
+        failure = faults.describe(err, cfg, rank)
+        if os.environ.get(ERROR_DIR):
+            _hand_to_launcher(failure, rank)
+        elif failure.traceback:
+            raise  # a bug in a process of its own: its traceback is the report
+        elif rank == 0 or not isinstance(err, ConfigError):  # a bad input every rank shares: rank 0 says it
+            print(f"error: {failure.sentence}", file=sys.stderr, flush=True)
+        raise SystemExit(failure.exit_code) from None
 
-        if cfg is None or not faults.is_timeout(err):
-            raise
-        print(f"error: {faults.timeout_message(cfg, int(os.environ.get('RANK', 0)))}", file=sys.stderr,
-              flush=True)
-        raise SystemExit(3) from None
+
+def _hand_to_launcher(failure, rank: int) -> None:
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    record = {"rank": rank, "attempt": attempt, "time": time.time(), "sentence": failure.sentence,
+              "exit_code": failure.exit_code, "echo": failure.echo, "traceback": failure.traceback}
+    path = os.path.join(os.environ[ERROR_DIR], f"attempt{attempt}-rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)  # whole or absent: the launcher may read it at any moment
+
+
+def first_failure(error_dir: str, attempt: int) -> dict | None:
+    """The failure to report of an attempt: the earliest that is not an echo of another; an echo
+    only when no rank said more."""
+    records = []
+    for name in os.listdir(error_dir):
+        if name.startswith(f"attempt{attempt}-") and name.endswith(".json"):
+            with open(os.path.join(error_dir, name)) as f:
+                records.append(json.load(f))
+    return min(records, key=lambda r: (r["echo"], r["time"])) if records else None
+
+
+def _keep_traceback(record: dict, log_dir: str) -> str:
+    """Where a bug's traceback is kept for the user to read (the run folder, else a temp file)."""
+    name = f"error-rank{record['rank']}.txt"
+    if log_dir and os.path.isdir(log_dir):
+        path = os.path.join(log_dir, name)
+    else:
+        path = os.path.join(tempfile.mkdtemp(prefix="fivefold-"), name)
+    with open(path, "w") as f:
+        f.write(record["traceback"])
+    return path
+
+
+def _exit_sentence(rank: int, code: int) -> str:
+    if code < 0:  # killed by a signal
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (often the out-of-memory killer)" if -code == signal.SIGKILL else ""
+        return f"rank {rank} was killed by {name}{why}; the job stopped"
+    return (f"rank {rank} exited with code {code} without saying why (it was killed or called os._exit); "
+            "the job stopped, its output above may say more")
+
+
+def _quiet_elastic_logs() -> None:
+    """torch elastic logs a failed rank as a traceback of its own monitor; we print the rank's sentence."""
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def launch_local(config_path: str | None, overrides: list[str], nproc: int, max_restarts: int,
@@ -70,13 +136,34 @@ def launch_local(config_path: str | None, overrides: list[str], nproc: int, max_
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
                               rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
                               max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
+    error_dir = tempfile.mkdtemp(prefix="fivefold-errors-")
+    os.environ[ERROR_DIR] = error_dir  # the spawned ranks inherit it
+    _quiet_elastic_logs()
     try:
         elastic_launch(config, worker)(config_path, overrides)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        if failure.exitcode == 2:  # the worker already printed its one-sentence config error
-            return 2
-        print(f"error: rank {rank} failed (exit code {failure.exitcode}); its error:\n{failure.message}",
-              file=sys.stderr)
-        return 1
+        attempt = max_restarts  # the job fails only once every restart has been spent
+        record = first_failure(error_dir, attempt)
+        # A rank that died without a word (os._exit, a signal other than the launcher's SIGTERM) came
+        # before the echoes of the ranks that lost it.
+        silent = {rank: f.exitcode for rank, f in err.failures.items()
+                  if f.exitcode != -signal.SIGTERM and not os.path.exists(
+                      os.path.join(error_dir, f"attempt{attempt}-rank{rank}.json"))}
+        if silent and (record is None or record["echo"]):
+            rank = min(silent)
+            print(f"error: {_exit_sentence(rank, silent[rank])}", file=sys.stderr, flush=True)
+            return 1
+        if record is None:  # every rank was stopped by the launcher: nothing more to say
+            rank, failure = err.get_first_failure()
+            print(f"error: {_exit_sentence(rank, failure.exitcode)}", file=sys.stderr, flush=True)
+            return 1
+        sentence = record["sentence"]
+        if record["traceback"]:
+            log_dir = load_config(config_path, overrides).log.dir
+            sentence += f" (its traceback: {_keep_traceback(record, log_dir)})"
+        print(f"error: {sentence}", file=sys.stderr, flush=True)
+        return record["exit_code"]
+    finally:
+        os.environ.pop(ERROR_DIR, None)
+        shutil.rmtree(error_dir, ignore_errors=True)
     return 0

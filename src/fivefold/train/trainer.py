@@ -121,12 +121,17 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         faults.maybe_crash(cfg, step + 1, rt.rank)
         start = time.perf_counter()
         batch = prefetcher.get(step)  # read in the background during the previous step
+        faults.maybe_slow(cfg, rt.rank)
         sampler.step = step + 1
         lr = optimizer.param_groups[0]["lr"]
         comm_every = cfg.log.comm_every or cfg.log.every
         measured = step in (first_step, t.steps - 1) or (comm_every and (step + 1) % comm_every == 0)
         with par.measure_comm() if measured else contextlib.nullcontext():
             loss_sum = par.forward_backward(batch, n_micro, lambda: autocast(cfg, rt.device))
+            # The straggler report compares this, not the step time: every rank ends a step together
+            # (the gradient sync waits for the slowest), but data-parallel replicas wait for nobody
+            # before it, so a slow one stands out in its batch, forward and backward.
+            work_time = time.perf_counter() - start
             par.finish_grads()
             grad_norm = par.clip_grad_norm(t.grad_clip)
             if faults.inject_nan(cfg, step + 1):
@@ -159,11 +164,11 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         if cfg.log.every and (step + 1) % cfg.log.every == 0:
             if len(sampler.names) > 1:  # a mixture: tokens each source has given the run so far
                 record["source_tokens"] = sampler.source_tokens(step + 1)
-            slow = faults.straggler(step_time, rt.device)  # a collective: every rank, same steps
+            slow = faults.straggler(work_time, rt.device)  # a collective: every rank, same steps
             if slow is not None:
                 record["straggler"] = slow
-                writer.note(f"straggler: rank {slow['rank']} took {slow['step_time_s']:.3f}s for step "
-                            f"{step + 1}, the median rank {slow['median_step_time_s']:.3f}s")
+                writer.note(f"straggler: rank {slow['rank']} took {slow['work_s']:.3f}s for its batch, forward "
+                            f"and backward of step {step + 1}, the median rank {slow['median_work_s']:.3f}s")
         if not finite:
             record["skipped"] = True
             bad_steps += 1

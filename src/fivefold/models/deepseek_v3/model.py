@@ -59,7 +59,8 @@ class LatentAttention(nn.Module):
         self.q_scale = softmax_scale_factor(cfg)
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         if self.q_proj is not None:
             q = self.q_proj(x)
@@ -79,7 +80,7 @@ class LatentAttention(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = self.core(q, k, v.contiguous())  # (batch, heads, seq, v_head_dim)
+        out = self.core(q, k, v.contiguous(), documents)  # (batch, heads, seq, v_head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
