@@ -281,8 +281,10 @@ def test_pipeline_ranks_hold_what_the_planner_predicts(pipeline_measured, label)
             f"{label} rank {rank}: predicted {got[rank]:,.0f} B, measured {measured:,} B"
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b", "zb", "zbv", "dualpipev"])
-@pytest.mark.parametrize("pp, n_micro", [(2, 4), (2, 6), (4, 4), (4, 8), (4, 12)])
+# dualpipev needs at least as many micro-batches as stages (2·pp): no (4, 4) case for it.
+@pytest.mark.parametrize("schedule, pp, n_micro", [
+    (schedule, pp, n_micro) for schedule in ("gpipe", "interleaved_1f1b", "zb", "zbv", "dualpipev")
+    for pp, n_micro in ((2, 4), (2, 6), (4, 4), (4, 8), (4, 12)) if schedule != "dualpipev" or n_micro >= 2 * pp])
 def test_in_flight_counts_follow_the_schedules_tables(schedule, pp, n_micro):
     """The planner's closed forms give, per rank and chunk, the micro-batches in flight at the
     rank's peak in the schedule's own action table (parallel/schedule_table.py): a forward holds
@@ -294,8 +296,6 @@ def test_in_flight_counts_follow_the_schedules_tables(schedule, pp, n_micro):
     from fivefold.plan.schedule import in_flight_per_chunk
 
     virtual = 1 if schedule == "gpipe" else 2
-    if schedule == "dualpipev" and n_micro < 2 * pp:
-        pytest.skip("dualpipev needs as many micro-batches as stages")
     layout = Layout(pp=pp, pp_schedule=schedule, pp_virtual=virtual)
     for rank, entries in action_table(schedule, pp, virtual, n_micro).items():
         live: set[tuple[int, int]] = set()
