@@ -1,4 +1,4 @@
-"""The output projections of a block's residual branches (attention's wo, the MLP's w2), as an
+"""The output projections of a block's residual branches (attention's and the MLP's), as an
 operator of their own, so that selective recomputation can keep them from holding their output.
 
 Selective recomputation (parallel/recompute.py) saves the outputs of matrix multiplies for

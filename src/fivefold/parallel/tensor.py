@@ -113,9 +113,10 @@ def _replicate_moe(moe: nn.Module, group: TensorParallelGroup) -> None:
     sequence through the MoE's slice hooks (models/moe.py); router statistics are summed over tp
     in expert.finish_router_step (`SLICE_GROUP`)."""
     moe.router.gate = PartialGradLinear(moe.router.gate, group)
-    if moe.shared is not None:
-        for name in ("w1", "w2", "w3"):
-            setattr(moe.shared, name, PartialGradLinear(getattr(moe.shared, name), group))
+    if moe.shared is not None:  # every projection of the shared experts
+        for name, layer in list(moe.shared.named_children()):
+            if isinstance(layer, nn.Linear):
+                setattr(moe.shared, name, PartialGradLinear(layer, group))
     moe.experts = PartialGradExperts(moe.experts, group)
     # Forward: the statistic of the rank's whole sequence; backward: identity, since every tp rank
     # holds the same auxiliary loss and the partial gradients it sends to each slice add up over tp.
@@ -145,7 +146,8 @@ class PartialGradExperts(Experts):
                                                                src_data_rank=None)))
 
     def forward(self, x, counts: list[int]):
-        return grouped_swiglu(x, *(_partial_local(w) for w in (self.w1, self.w2, self.w3)), counts)
+        # The stacked weights in the order Experts registers them, which grouped_swiglu takes.
+        return grouped_swiglu(x, *(_partial_local(w) for w in self.parameters(recurse=False)), counts)
 
 
 def _partial_local(weight):
