@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
+
+from spawn import run_on_ranks
 
 SHAPES = {
     "405b": {"dim": 1024, "n_heads": 128, "n_kv_heads": 8, "ffn_dim": 3328},
@@ -69,43 +69,16 @@ def _measure(shape: str, tp: int, dtype: str, whole: bool, steps: int) -> dict:
         start = time.process_time()
         inputs, labels, positions = par.split_sequence(batch)
         with autocast(cfg, rt.device):
-            loss = par.loss(par.model(inputs, positions), labels)
+            loss = par.forward_loss(inputs, labels, positions)
         par.backward(loss)
         times.append(time.process_time() - start)
     return {"per_layer_token": (out[4] - out[2]) / 2 / SEQ, "step_s": statistics.median(times[1:])}
 
 
-def _rank(rank, world, port, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        value = _measure(*args)
-        if rank == 0:
-            results.put(value)
-    finally:
-        dist.destroy_process_group()
-
-
 def run(shape: str, tp: int, dtype: str, whole: bool, steps: int) -> dict:
     if tp == 1:
         return _measure(shape, tp, dtype, whole, steps)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, tp, port, (shape, tp, dtype, whole, steps), results))
-             for r in range(tp)]
-    for p in procs:
-        p.start()
-    value = results.get(timeout=1200)
-    for p in procs:
-        p.join()
-    return value
+    return run_on_ranks(tp, _measure, shape, tp, dtype, whole, steps, timeout_s=1200, group_timeout_s=600)[0]
 
 
 def explain(shape: str, tp: int, dtype: str) -> str:

@@ -17,15 +17,14 @@ more stops in its forward pass and is reported as over the cap.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import resource
-import socket
 import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
+
+from spawn import run_on_ranks
 
 MODEL = {"dim": 128, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "ffn_dim": 256, "vocab_size": 256,
          "max_seq_len": 1 << 16}
@@ -61,9 +60,7 @@ def max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def rank_main(rank, cp, port, seq, method, cap_bytes, steps, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def rank_main(cp, seq, method, cap_bytes, steps) -> dict:
     import torch.distributed as dist
 
     from fivefold.config import load_config
@@ -71,10 +68,10 @@ def rank_main(rank, cp, port, seq, method, cap_bytes, steps, results):
     from fivefold.parallel.context import ContextParallelAttention, SequenceSplit
     from fivefold.parallel.parallelize import lm_loss
 
+    rank = int(os.environ["RANK"])  # set by spawn.py
     try:
         model = build_model(load_config(None, {"model": MODEL, "train": {"seq_len": seq}}).model, seed=0)
         if cp > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=cp, timeout=datetime.timedelta(seconds=120))
             for block in model.layers.values():
                 block.attention.core = ContextParallelAttention(dist.group.WORLD, method)
         windows = torch.randint(0, MODEL["vocab_size"], (1, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -89,29 +86,15 @@ def rank_main(rank, cp, port, seq, method, cap_bytes, steps, results):
             times.append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
             saved = meter.total
-        results.put((rank, {"saved": saved, "rss": max_rss_bytes() - rss_before,
-                            "time": statistics.median(times[1:])}))
+        return {"saved": saved, "rss": max_rss_bytes() - rss_before, "time": statistics.median(times[1:])}
     except OverCap as over:
-        results.put((rank, {"over_cap": over.args[0]}))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return {"over_cap": over.args[0]}
 
 
 def measure(cp: int, seq: int, method: str, cap_bytes: int, steps: int) -> dict:
     """The worst rank's figures (they are nearly equal: the split is balanced)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=rank_main, args=(r, cp, port, seq, method, cap_bytes, steps, results))
-             for r in range(cp)]
-    for p in procs:
-        p.start()
-    per_rank = [results.get(timeout=1800)[1] for _ in procs]
-    for p in procs:
-        p.join()
+    per_rank = run_on_ranks(cp, rank_main, cp, seq, method, cap_bytes, steps, timeout_s=1800,
+                            group_timeout_s=120 if cp > 1 else None)
     if any("over_cap" in r for r in per_rank):
         return {"over_cap": max(r.get("over_cap", 0) for r in per_rank)}
     return {key: max(r[key] for r in per_rank) for key in ("saved", "rss", "time")}

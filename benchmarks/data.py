@@ -147,17 +147,13 @@ def repeat_prepared(src: Path, dst: Path, times: int) -> None:
     (dst / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
 
-def _rank(rank: int, port: int, folder: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    import torch
-
-    torch.set_num_threads(1)
+def _rank(folder: str) -> dict:
     from fivefold.config import load_config
     from fivefold.train.trainer import train
 
     from fivefold.train.data import load_training_data
 
+    rank = int(os.environ["RANK"])  # set by spawn.py
     cfg = load_config(None, {"parallel": {"dp": 2}, "data": {"source": folder},
                              "train": {"steps": 10, "seq_len": 256, "global_batch": 8}, "log": {"progress": False}})
     t = cfg.train
@@ -168,8 +164,8 @@ def _rank(rank: int, port: int, folder: str, results) -> None:
     start = time.perf_counter()
     records = train(cfg).records
     wall = time.perf_counter() - start
-    results.put((rank, {"peak_rss_bytes": peak_rss_bytes(), "data_open_s": data_open,
-                        "startup_s": wall - sum(r["step_time_s"] for r in records), "loss": records[-1]["loss"]}))
+    return {"peak_rss_bytes": peak_rss_bytes(), "data_open_s": data_open,
+            "startup_s": wall - sum(r["step_time_s"] for r in records), "loss": records[-1]["loss"]}
 
 
 def peak_rss_bytes() -> int:
@@ -182,22 +178,10 @@ def peak_rss_bytes() -> int:
 
 
 def two_rank_run(folder: Path) -> list[dict]:
-    import socket
+    from spawn import run_on_ranks  # imported here: torch stays out of the throughput part
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(folder), results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join()
-    return [got[0], got[1]]
+    # No process group from spawn.py: train() starts its own, part of the start-up measured.
+    return run_on_ranks(2, _rank, str(folder), timeout_s=900, group_timeout_s=None)
 
 
 def scale(work: Path, base_mtokens: float, workers: int) -> list[dict]:

@@ -13,15 +13,13 @@ four collectives; each cell is the median over rounds of the mean over `iters` c
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from spawn import run_on_ranks
 
 # torch 2.13 renamed these (the old names warn); torch 2.11 has only the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -42,10 +40,8 @@ def collectives(chunk: torch.Tensor, full: torch.Tensor, received: torch.Tensor)
     }
 
 
-def rank_main(rank: int, world: int, port: int, args, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+def rank_main(args) -> dict:
+    world = dist.get_world_size()
     table = {}
     for mib in args.mib:
         n = int(mib * 2**20 / 4)
@@ -61,9 +57,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
                     op()
                 samples[name].append((time.perf_counter() - start) / args.iters)
         table[mib] = {name: statistics.median(times) * 1e3 for name, times in samples.items()}
-    if rank == 0:
-        results.put(table)
-    dist.destroy_process_group()
+    return table
 
 
 def main(argv=None) -> None:
@@ -74,14 +68,7 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
     args.mib = [float(x) for x in args.mib.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    mp.start_processes(rank_main, args=(args.nproc, port, args, results), nprocs=args.nproc,
-                       start_method="spawn")
-    table = results.get(timeout=10)
+    table = run_on_ranks(args.nproc, rank_main, args, group_timeout_s=120)[0]  # rank 0's
     names = list(next(iter(table.values())))
     print(f"{args.nproc} gloo ranks, torch {torch.__version__}, ms per call (median of {args.rounds} rounds)\n")
     print("| MiB per rank | " + " | ".join(names) + " | reduce_scatter / all_to_all + sum |")

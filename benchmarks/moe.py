@@ -24,55 +24,37 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 from fivefold.config import MoEConfig, load_config
 from fivefold.models import moe as moe_module
+from spawn import run_on_ranks
 
 STEPS = 3
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, overrides: list[str], out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def _rank(overrides: list[str]) -> tuple[float, int]:
     from fivefold.models.moe import moe_layers
     from fivefold.train.trainer import train
 
     cfg = load_config(None, overrides)
     result = train(cfg)
     dispatchers = [m.run_experts for part in result.parallel.parts for m in moe_layers(part)]
-    out.put((rank, sum(d.bytes_sent for d in dispatchers) / STEPS, result.records[-1]["comm_bytes"].get("ep", 0)))
+    return sum(d.bytes_sent for d in dispatchers) / STEPS, result.records[-1]["comm_bytes"].get("ep", 0)
 
 
 def volume(ep: int, seq_len: int, batch: int) -> dict:
     overrides = ["--model.preset", "tiny-moe", "--parallel.dp", str(ep), "--parallel.ep", str(ep),
                  "--train.steps", str(STEPS), "--train.seq_len", str(seq_len), "--train.global_batch",
                  str(batch), "--log.progress", "false", "--data.builtin_max_bytes", "300000"]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, ep, port, overrides, queue)) for r in range(ep)]
-    for p in procs:
-        p.start()
-    got = [queue.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
+    got = run_on_ranks(ep, _rank, overrides, timeout_s=600, group_timeout_s=None)  # train() starts the group
     cfg = load_config(None, overrides)
     m = cfg.model
     n_moe = m.n_layers  # every layer is MoE in tiny-moe
     per_direction = (batch // ep) * seq_len * m.moe.top_k * m.dim * (ep - 1) / ep * 4 * n_moe
-    return {"exact": sum(g[1] for g in got) / ep, "ledger": sum(g[2] for g in got) / ep,
+    return {"exact": sum(g[0] for g in got) / ep, "ledger": sum(g[1] for g in got) / ep,
             "formula": per_direction}
 
 
@@ -99,11 +81,8 @@ TP_WORK_MODEL = ["--model.preset", "tiny-moe", "--model.moe.n_experts", "8", "--
                  "--log.progress", "false", "--data.builtin_max_bytes", "300000"]
 
 
-def _work_rank(rank: int, world: int, port: int, overrides: list[str], out) -> None:
+def _work_rank(overrides: list[str]) -> tuple[float, float, float]:
     """One rank of `tp_work`: trains, counting expert rows and CPU seconds from the second step on."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     from fivefold.models.moe import MoE, Experts
     from fivefold.parallel.parallelize import Parallelized
     from fivefold.train.trainer import train
@@ -137,22 +116,14 @@ def _work_rank(rank: int, world: int, port: int, overrides: list[str], out) -> N
     Parallelized.forward_backward = timed
     train(load_config(None, overrides))
     n = seen["steps"] - 1
-    out.put((rank, seen["rows"] / n, seen["moe_cpu"] / n, seen["step_cpu"] / n))
+    return seen["rows"] / n, seen["moe_cpu"] / n, seen["step_cpu"] / n
 
 
 def tp_work(tp: int) -> dict:
     """Per-step work summed over the ranks of a tp-only layout (tp = 1: one process)."""
     overrides = TP_WORK_MODEL + ["--parallel.tp", str(tp)]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_work_rank, args=(r, tp, port, overrides, queue)) for r in range(tp)]
-    for p in procs:
-        p.start()
-    got = [queue.get(timeout=900) for _ in procs]
-    for p in procs:
-        p.join()
-    return {"rows": sum(g[1] for g in got), "moe_cpu": sum(g[2] for g in got), "step_cpu": sum(g[3] for g in got)}
+    got = run_on_ranks(tp, _work_rank, overrides, timeout_s=900, group_timeout_s=None)  # train() starts the group
+    return {"rows": sum(g[0] for g in got), "moe_cpu": sum(g[1] for g in got), "step_cpu": sum(g[2] for g in got)}
 
 
 def print_tp_work() -> None:

@@ -16,12 +16,10 @@ and the micro-batches it counts in flight per chunk (plan/schedule.py in_flight_
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 
 import torch
-import torch.multiprocessing as mp
+
+from spawn import run_on_ranks
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "zbv", "dualpipev")
 
@@ -62,34 +60,9 @@ def _measure(cfg) -> tuple[int, int]:
     return par.pipeline.pp_rank, peak
 
 
-def _rank(rank, world, port, cfg, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        results.put(_measure(cfg))
-    finally:
-        dist.destroy_process_group()
-
-
 def measure(cfg) -> dict[int, int]:
     """pipeline rank -> measured peak bytes, from pp fresh local processes."""
-    world = cfg.parallel.pp
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, cfg, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = dict(results.get(timeout=1200) for _ in procs)
-    for p in procs:
-        p.join()
-    return out
+    return dict(run_on_ranks(cfg.parallel.pp, _measure, cfg, timeout_s=1200, group_timeout_s=600))
 
 
 def main() -> None:

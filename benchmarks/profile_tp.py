@@ -14,19 +14,16 @@ One thread per rank; ranks are gloo processes on this machine.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scaling import MODEL, TRAIN  # noqa: E402
+from spawn import run_on_ranks  # noqa: E402
 
 PHASES = ("forward_backward", "finish_grads", "clip_grad_norm", "optimizer_step")
 GROUPS = {  # operator-name fragments -> group (first match wins)
@@ -88,18 +85,6 @@ def run(tp: int, steps: int, warmup: int, top: int) -> dict:
     return {"phases": phases, "groups": grouped, "total": total, "table": table}
 
 
-def rank_main(rank: int, world: int, port: int, args, results) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    out = run(world, args.steps, args.warmup, args.top)
-    results.put((rank, out))
-    dist.destroy_process_group()
-
-
 def show(label: str, out: dict) -> None:
     print(f"\n{label}: phases, ms per step (CPU time / wall)")
     for name, (cpu, wall) in out["phases"].items():
@@ -117,14 +102,8 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__}, model {MODEL}, train {TRAIN}, 1 thread per process")
     single = run(1, args.steps, args.warmup, args.top)
     show("1 process", single)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").Queue()
-    context = mp.start_processes(rank_main, args=(args.tp, port, args, results), nprocs=args.tp,
-                                 start_method="spawn", join=False)
-    ranks = dict(results.get(timeout=600) for _ in range(args.tp))
-    context.join()
+    ranks = dict(enumerate(run_on_ranks(args.tp, run, args.tp, args.steps, args.warmup, args.top,
+                                        timeout_s=600, group_timeout_s=300)))
     for rank in sorted(ranks):
         show(f"tp={args.tp} rank {rank}", ranks[rank])
     print(f"\noperators, ms per step (profiler self time; 1 process | tp={args.tp} rank 0)")

@@ -89,6 +89,7 @@ class Run:
     # copy name -> (source name, whole tensor). The single process holds it once, so both must stay equal.
     tied_copies: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
     eval_losses: list[float] = field(default_factory=list)  # the held-out loss of each evaluation
+    mtp_losses: list[float] = field(default_factory=list)  # multi-token prediction's loss of each step
     # Reference runs only: the largest weight difference between this run and the same settings
     # accumulated in another micro-batch split (the reassociation noise of the tolerance rule).
     weight_noise: float = 0.0
@@ -111,7 +112,8 @@ def run_layout(overrides: dict) -> Run:
                weights=result.parallel.full_state_dict(), comm=result.records[-1]["comm_bytes"],
                state_bytes=result.state_bytes, local_wq=local_wq, buffers=_whole_buffers(result.parallel),
                tied_copies=_tied_copies(result.parallel),
-               eval_losses=[r["val_loss"] for r in result.records if "val_loss" in r])
+               eval_losses=[r["val_loss"] for r in result.records if "val_loss" in r],
+               mtp_losses=[r["mtp_loss"] for r in result.records if "mtp_loss" in r])
 
 
 def _over_stages(par, mine: dict) -> dict:
@@ -200,6 +202,9 @@ def assert_same_run(got, want, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL, lab
     assert len(got.eval_losses) == len(want.eval_losses), f"{label}: {len(got.eval_losses)} evaluations, want {len(want.eval_losses)}"
     for i, (a, b) in enumerate(zip(got.eval_losses, want.eval_losses), 1):
         assert abs(a - b) <= loss_rtol * abs(b), f"{label}: evaluation {i} loss {a} != {b} (bound {loss_rtol:.1e} relative)"
+    assert len(got.mtp_losses) == len(want.mtp_losses), f"{label}: {len(got.mtp_losses)} MTP losses, want {len(want.mtp_losses)}"
+    for step, (a, b) in enumerate(zip(got.mtp_losses, want.mtp_losses), 1):
+        assert abs(a - b) <= loss_rtol * abs(b), f"{label}: step {step} MTP loss {a} != {b} (bound {loss_rtol:.1e} relative)"
     assert weights.keys() == ref_weights.keys(), f"{label}: parameter names differ"
     assert got.buffers.keys() == want.buffers.keys(), f"{label}: buffer names differ"
     # Buffers (the MoE balancing bias) follow the weights' rule; a tied matrix's pipeline copy must

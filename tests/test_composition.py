@@ -2,11 +2,11 @@
 dense and MoE, each against the single-process run (fp32 losses and gradient norms within 1e-5
 relative per step, final weights), plus recomputation, bf16 and torch.compile inside 5D layouts.
 
-The default suite runs the full 16-rank layouts (dp2 x tp2 x pp2 x cp2, and ep2 for MoE) in one
-spawn, with recomputation and bf16; `pytest -m slow` adds torch.compile and the matrix: every value
-of every dimension, each combined with the others (8-rank layouts that drop one dimension, and more
-16-rank ones). The 16-rank spawn also checks that the rank map (`fivefold layout`) is what the run
-really builds.
+The default suite runs the full 16-rank layouts (dp2 x tp2 x pp2 x cp2, and ep2 for MoE; for one,
+ep8 borrowing tp ranks) in one spawn, with recomputation and bf16; `pytest -m slow` adds
+torch.compile and the matrix: every value of every dimension, each combined with the others (8-rank
+layouts that drop one dimension, and more 16-rank ones). The 16-rank spawn also checks that the
+rank map (`fivefold layout`) is what the run really builds.
 """
 
 import pytest
@@ -18,6 +18,8 @@ from ranks import run_on_ranks
 DENSE = {"n_layers": 4}
 # Dropless, bias balancing: what MoE supports with cp > 1 (capacity and the aux loss are per sequence).
 MOE = {"n_layers": 4, "moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias"}}
+# 8 experts: ep8 over a stage's dp2·cp2·tp2 ranks, one expert each (ep > dp·cp: it borrows tp).
+MOE8 = {**MOE, "moe": {**MOE["moe"], "n_experts": 8}}
 # One sequence per micro-batch: dp2 gives 4 micro-batches per step, enough for every schedule at pp2.
 TRAIN = {"micro_batch": 1}
 # The other families (tests/test_families.py has each dimension alone): 4 layers of their tiny presets,
@@ -63,6 +65,10 @@ FULL = [
     layout(QWEN3, dp=2, zero=1, tp=2, pp=2, cp=2, method="ulysses", seed=5),
     layout(QWEN3_MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, seed=5),
     layout(DEEPSEEK_V3, dp=2, zero=3, tp=2, pp=2, cp=2, method="allgather", ep=2),
+    # ep borrowing tp (mesh.py expert_groups): each tp rank dispatches its own slice of the tokens
+    # to all 8 ranks of its stage; no two ranks hold the same expert (edp = dp·cp·tp/ep = 1). As
+    # FULL[1] otherwise, so that a failure here is the borrowing's.
+    layout(MOE8, dp=2, zero=1, tp=2, pp=2, cp=2, ep=8),
 ]
 # Checked against the fp32 reference within 2% (bf16 keeps 8 mantissa bits) rather than 1e-5.
 BF16 = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, dtype="bf16")
@@ -263,7 +269,7 @@ def test_matrix_covers_every_value():
     """The layouts tested, default and slow together, use every value the issue names."""
     every = [*FULL, BF16, COMPILED, *SLOW_16, *SLOW_8, *COMPILED_8]
     seen = {key: {l["parallel"][key] for l in every} for key in ("dp", "zero", "tp", "pp", "cp", "ep")}
-    assert seen == {"dp": {1, 2, 4}, "zero": {0, 1, 2, 3}, "tp": {1, 2}, "pp": {1, 2}, "cp": {1, 2}, "ep": {1, 2, 4}}
+    assert seen == {"dp": {1, 2, 4}, "zero": {0, 1, 2, 3}, "tp": {1, 2}, "pp": {1, 2}, "cp": {1, 2}, "ep": {1, 2, 4, 8}}
     hsdp = [l["parallel"] for l in every if 0 < l["parallel"]["dp_shard"] < l["parallel"]["dp"]]
     assert all(any(p[key] > 1 for p in hsdp) for key in ("tp", "cp", "pp")), "HSDP with each of tp, cp, pp"
     compiled = [l for l in every if l["train"].get("compile")]

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attention_inputs import attention_inputs
 from ranks import run_on_ranks
 
 from fivefold.parallel import attention_blocks
@@ -24,17 +25,6 @@ METHODS = ("ring", "allgather", "ulysses")
 # wider under GQA).
 SHAPES = [(2, 4, 2, 16, 5), (1, 4, 1, 24, 7), (3, 4, 4, 8, 3), (2, 8, 2, 32, 9), (2, 4, 4, 16, 6, 4),
           (1, 4, 2, 16, 5, 8)]
-
-
-def _whole(shape, seed):
-    batch, heads, kv_heads, seq, head_dim = shape[:5]
-    v_dim = shape[5] if len(shape) > 5 else head_dim
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, seq, head_dim, generator=g)
-    k = torch.randn(batch, kv_heads, seq, head_dim, generator=g)
-    v = torch.randn(batch, kv_heads, seq, v_dim, generator=g)
-    dout = torch.randn(batch, heads, seq, v_dim, generator=g)
-    return q, k, v, dout
 
 
 def _reference(q, k, v, dout):
@@ -54,7 +44,7 @@ def _errors_on_rank(cases):
     rank, cp = dist.get_rank(), dist.get_world_size()
     errors = {}
     for method, shape in cases:
-        q, k, v, dout = _whole(shape, seed=sum(shape))
+        q, k, v, dout = attention_inputs(shape, seed=sum(shape))
         want = _reference(q, k, v, dout)
         mine = local_positions(rank, cp, shape[3] // cp)
         local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attention_inputs import attention_inputs
+
 from fivefold.config import ConfigError, DataConfig
 from fivefold.models.decoder import CausalAttention
 from fivefold.models.documents import document_positions, flex_document_attention
@@ -46,16 +48,6 @@ CASES = [
     ((2, 4, 2, 16, 5, 8), [[], list(range(1, 16))]),
     ((1, 8, 2, 32, 9, 9), [[5, 16, 17, 30]]),
 ]
-
-
-def _whole(shape, seed):
-    batch, heads, kv_heads, seq, head_dim, v_dim = shape
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, seq, head_dim, generator=g)
-    k = torch.randn(batch, kv_heads, seq, head_dim, generator=g)
-    v = torch.randn(batch, kv_heads, seq, v_dim, generator=g)
-    dout = torch.randn(batch, heads, seq, v_dim, generator=g)
-    return q, k, v, dout
 
 
 def each_document_alone(q, k, v, dout, documents):
@@ -91,7 +83,7 @@ def _assert_close(got, want, label):
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_core_equals_each_document_alone(index):
     shape, bounds = CASES[index]
-    q, k, v, dout = _whole(shape, seed=index)
+    q, k, v, dout = attention_inputs(shape, seed=index)
     documents = _ids(bounds, shape[3])
     want = each_document_alone(q, k, v, dout, documents)
     _assert_close(_run(lambda *t: CausalAttention()(*t, documents), q, k, v, dout), want, "sdpa mask")
@@ -101,7 +93,7 @@ def test_core_equals_each_document_alone(index):
 
 
 def test_core_without_documents_is_plain_causal():
-    q, k, v, dout = _whole((1, 4, 2, 12, 5, 5), seed=9)
+    q, k, v, dout = attention_inputs((1, 4, 2, 12, 5, 5), seed=9)
     one = torch.zeros(1, 12, dtype=torch.int64)
     _assert_close(_run(lambda *t: CausalAttention()(*t, one), q, k, v, dout),
                   _run(CausalAttention(), q, k, v, dout), "one document")
@@ -185,7 +177,7 @@ def document_op_errors():
         for index, (shape, bounds) in enumerate(CASES):
             if shape[3] % (2 * cp) or (method == "ulysses" and shape[1] % cp):
                 continue
-            q, k, v, dout = _whole(shape, seed=index)
+            q, k, v, dout = attention_inputs(shape, seed=index)
             documents = _ids(bounds, shape[3])
             want = each_document_alone(q, k, v, dout, documents)
             mine = local_positions(rank, cp, shape[3] // cp)

@@ -12,8 +12,8 @@ from fivefold.validate import check_supported, validate
 
 # 4 experts of width 64 (aligned for torch._grouped_mm), top-2, in both layers of the tiny model.
 MOE = {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}
-# The tiny DeepSeek-V3 (MLA, 8 experts in 2 groups, a shared expert, bias balancing); 4 kv heads
-# so that tp can split MLA's heads.
+# The tiny DeepSeek-V3 (MLA, 8 experts in 2 groups, a shared expert, bias balancing, one
+# multi-token-prediction block, an MoE layer too); 4 kv heads so that tp can split MLA's heads.
 DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_kv_heads": 4}
 
 
@@ -45,6 +45,7 @@ TWO_RANKS = [
     moe_layout({"tp": 2, "ep": 2}, score="sigmoid", balance="bias"),  # ep borrowing tp
     moe_layout({"tp": 2, "sp": False}, balance="bias", capacity_factor=1.0),  # split, then gathered
     {"model": DEEPSEEK_V3, "parallel": {"tp": 2}},
+    {"model": {**DEEPSEEK_V3, "moe": {"capacity_factor": 1.0}}, "parallel": {"cp": 2}},  # priority over the sequence
 ]
 FOUR_RANKS = [
     moe_layout({"dp": 4, "ep": 4}),
@@ -67,6 +68,8 @@ FOUR_RANKS = [
     # Capacity priority over cp chunks cut into tp slices (models/moe.py NestedPieces).
     moe_layout({"cp": 2, "tp": 2}, capacity_factor=1.0),
     {"model": DEEPSEEK_V3, "parallel": {"dp": 4, "ep": 4}},
+    {"model": DEEPSEEK_V3, "parallel": {"dp": 2, "tp": 2, "ep": 4}},  # ep borrowing tp
+    {"model": DEEPSEEK_V3, "parallel": {"dp": 4, "dp_shard": 2, "zero": 3, "ep": 2}},  # experts under HSDP
 ]
 
 

@@ -3,7 +3,12 @@ and loaded by us gives transformers' logits (1e-5, fp32), with and without the q
 without YaRN; our model exported loads in transformers with the same logits; `fivefold convert`
 both ways keeps every tensor; what we cannot express is refused in one sentence. Also: the model
 built on the meta device and materialised equals the one built directly, and the planner's
-parameter count is the built model's, for the three presets."""
+parameter count is the built model's, for the three presets.
+
+Multi-token prediction (transformers has none: its class drops those layers): our export writes
+its blocks in DeepSeek's layout (layers past the last, with copies of the embedding and output
+matrices), transformers loads the main model from it with the same logits and reports exactly
+those layers as unexpected, and we read them back bit for bit."""
 
 import dataclasses
 import json
@@ -91,8 +96,13 @@ def test_export_loads_in_transformers(tmp_path, case):
     ours = random_weights(build_model(cfg, seed=2), seed=4, router_bias_std=0.3)
     save_hf(ours, tmp_path)
     hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert hf_moe_layers(hf) == our_moe_layers(ours)
+    assert not any(info[k] for k in ("missing_keys", "mismatched_keys")), info
+    # transformers has no multi-token prediction: those layers, and only they, are left over (its
+    # names of the routed experts' tensors are its fused ones, so they are compared by layer)
+    unexpected, written = set(info["unexpected_keys"]), mtp_names(tmp_path, cfg)
+    assert {k for k in unexpected if ".experts." not in k} == {k for k in written if ".experts." not in k}, info
+    assert {k.split(".experts.")[0] for k in unexpected} == {k.split(".experts.")[0] for k in written}, info
+    assert hf_moe_layers(hf) == our_moe_layers(ours)[:cfg.n_layers]
     assert_same_logits(logits(hf.eval(), cfg.vocab_size), logits(ours, cfg.vocab_size))
     back = load_pretrained(tmp_path)  # and back: the same config, tensors (the bias included) and model
     assert same_model(back.cfg, cfg)
@@ -118,14 +128,49 @@ def test_convert_both_ways(tmp_path, case):
     assert_same_logits(logits(back, VOCAB), want)
 
 
-def test_multi_token_prediction_layers_are_dropped_as_transformers_drops_them(tmp_path):
-    """DeepSeek's files hold the MTP module as layer num_hidden_layers; transformers drops it on load."""
+def mtp_names(folder, cfg) -> set[str]:
+    """The tensors of a folder's multi-token-prediction layers (layers num_hidden_layers and up)."""
+    layers = (re.match(r"model\.layers\.(\d+)\.", n) for n in stored(folder))
+    return {m.string for m in layers if m and int(m.group(1)) >= cfg.n_layers}
+
+
+def test_multi_token_prediction_in_deepseeks_layout(tmp_path):
+    """Our MTP block written as DeepSeek's files hold it (layer num_hidden_layers, with copies of the
+    embedding and head) is read back bit for bit, the copies not needed; a layer past
+    num_nextn_predict_layers is dropped, as transformers drops it; a missing MTP tensor is named."""
+    cfg = load_config(None, {"model": {"preset": "tiny-deepseek-v3", "n_layers": 2}}).model
+    ours = random_weights(build_model(cfg, seed=2), seed=4, router_bias_std=0.3)
+    save_hf(ours, tmp_path)
+    files = stored(tmp_path)
+    assert torch.equal(files["model.layers.2.embed_tokens.weight"], ours.tok_embeddings.weight)
+    assert torch.equal(files["model.layers.2.shared_head.head.weight"], ours.output.weight)
+    assert torch.equal(files["model.layers.2.eh_proj.weight"], ours.layers["2"].eh_proj.weight)
+    assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    back = load_pretrained(tmp_path)
+    assert back.cfg.mtp_depth == 1 and back.state_dict().keys() == ours.state_dict().keys()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+
+    extra = {**files, "model.layers.3.eh_proj.weight": torch.ones(64, 128)}  # a second depth: not ours
+    save_file(extra, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert load_pretrained(tmp_path).cfg.mtp_depth == 1
+    files.pop("model.layers.2.hnorm.weight")
+    save_file(files, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="missing tensor model.layers.2.hnorm.weight"):
+        load_pretrained(tmp_path)
+
+
+def test_folder_without_multi_token_prediction_loads_without_it(tmp_path):
+    """transformers' config says num_nextn_predict_layers=1 but its files hold no MTP layer: the
+    main model loads, with a warning, as transformers loads it; a stray tensor is still refused."""
     hf = hf_model("q-latent")
     hf.save_pretrained(tmp_path)
+    assert hf.config.num_nextn_predict_layers == 1
+    with pytest.warns(UserWarning, match="weights hold no multi-token-prediction layer"):
+        ours = fivefold.load_pretrained(tmp_path)
+    assert ours.cfg.mtp_depth == 0
+    assert_same_logits(logits(ours, VOCAB), logits(hf, VOCAB))
     tensors = load_file(tmp_path / "model.safetensors")
-    save_file({**tensors, "model.layers.3.eh_proj.weight": torch.ones(32, 64)}, tmp_path / "model.safetensors",
-              metadata={"format": "pt"})
-    assert_same_logits(logits(fivefold.load_pretrained(tmp_path), VOCAB), logits(hf, VOCAB))
     save_file({**tensors, "model.layers.2.eh_proj.weight": torch.ones(32, 64)}, tmp_path / "model.safetensors",
               metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="holds tensor model.layers.2.eh_proj.weight, which fivefold's deepseek_v3"):
@@ -221,8 +266,10 @@ def test_planner_statistics_count_the_built_model(preset, billions):
     validate(cfg)
     stats = family_stats(cfg.model)
     assert sum(p.numel() for p in build_meta_model(cfg.model).parameters()) == stats.total_params
-    if billions:  # the published totals (without DeepSeek-V3's multi-token-prediction module)
-        assert round(stats.total_params / 1e9, 1) == billions
+    if billions:  # the published totals of the main model (without DeepSeek-V3's multi-token prediction)
+        assert round((stats.total_params - stats.mtp_params) / 1e9, 1) == billions
+    if preset == "deepseek-v3":  # its files, MTP block with its copies of the two matrices: "685B"
+        assert round((stats.total_params + 2 * stats.vocab_size * stats.dim) / 1e9, 1) == 684.5
     m = cfg.model
     assert stats.attention_flops_per_token(4096) == 6.0 * m.n_heads * (m.head_dim + m.v_head_dim) * 4096
 

@@ -12,6 +12,8 @@ import pytest
 from layouts import tiny_config
 from ranks import run_on_ranks
 
+from fivefold.plan.layout import Layout
+
 MOE = {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}
 FOUR_LAYERS = {"n_layers": 4}
 QWEN3 = {"preset": "tiny-qwen3"}  # its family and head_dim; the shape stays tiny_config's
@@ -46,6 +48,8 @@ FOUR_RANKS = {
     "tp2 pp2": {"model": FOUR_LAYERS, "parallel": {"tp": 2, "pp": 2}, "train": {"micro_batch": 2}},
     "tp2 cp2": {"parallel": {"tp": 2, "cp": 2}},
     "moe dp2 tp2 ep2": {"model": {"moe": MOE}, "parallel": {"dp": 2, "tp": 2, "ep": 2}},  # each tp rank routes its own tokens
+    # ep borrowing tp: the ep group is all 4 ranks, each tp rank dispatching its own slice.
+    "moe dp2 tp2 ep4": {"model": {"moe": MOE}, "parallel": {"dp": 2, "tp": 2, "ep": 4}},
 }
 
 
@@ -125,3 +129,101 @@ def test_crossing_nodes_costs_the_network_tier_and_falls_with_node_count():
     # 64 nodes: bandwidth down by 1 + 63 / fabric_nodes against one node's NICs
     per_byte = 2 * (511 / 512) * nbytes / (8 * hw.nic_bw)
     assert across[2] - 2 * 511 * hw.inter_latency_s == pytest.approx(per_byte * (1 + 63 / hw.fabric_nodes), rel=1e-6)
+
+
+# ------------------------------------------------- expert parallelism borrowing tp: where, how much
+# mesh.py `expert_groups` cuts each pipeline stage's row of ranks (tp outermost, then dp·cp) into
+# blocks of ep; the planner takes the ep and edp groups from there (comm.expert_links).
+ORDER = ("pp", "dp", "cp", "tp")
+
+
+def test_ep_groups_sit_where_the_mesh_puts_them():
+    from fivefold.plan.comm import Link, expert_links
+
+    # dp2 tp2 pp2 cp2 ep8: rank = 8 pp + 4 dp + 2 cp + tp, so a stage is 8 consecutive ranks and ep8
+    # is the whole stage (0-7 and 8-15); edp = dp·cp·tp/ep = 1. On 8-GPU nodes that is one node
+    # (NVLink; the estimate used to place an ep member every tp = 2 ranks: 4 per node, 2 nodes),
+    # on 4-GPU nodes two nodes of 4.
+    full = Layout(dp=2, tp=2, pp=2, cp=2, ep=8)
+    assert expert_links(full, ORDER, 8) == (Link(8, 8), Link(1, 1))
+    assert expert_links(full, ORDER, 4) == (Link(8, 4), Link(1, 1))
+    # dp2 tp4 ep4 (2 dp x 2 tp ranks): rank = 4 dp + tp; the row (tp outermost, then dp) is
+    # 0 4 1 5 | 2 6 3 7: ep groups {0,1,4,5} and {2,3,6,7}, 2 members on each of 2 nodes of 4 GPUs.
+    # The edp groups (dp·cp·tp/ep = 2: the same place in both blocks) {0,2} {1,3} {4,6} {5,7} stay
+    # inside a node (the estimate used to take the dp group, {0,4}: across nodes).
+    assert expert_links(Layout(dp=2, tp=4, ep=4), ORDER, 4) == (Link(4, 2), Link(2, 2))
+    # ep inside dp only (configs/deepseek-v3.toml: dp64 pp32 ep8): an ep group is 8 consecutive
+    # ranks, one node; its edp group every 8th rank of the stage: 8 nodes, one member on each.
+    assert expert_links(Layout(dp=64, pp=32, ep=8), ORDER, 8) == (Link(8, 8), Link(8, 1))
+    # Against the mesh itself, for another parallel.order: the ranks of every group, and the Links.
+    from fivefold.mesh import ParallelDims
+    from fivefold.plan.comm import group_link
+
+    order = ("dp", "tp", "pp", "cp")
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=2, cp=2, ep=8, order=order)
+    ep_groups, edp_groups = dims.expert_groups()
+    # strides dp 8, tp 4, pp 2, cp 1: stage 0 is {0,1,4,5,8,9,12,13}, 2 ranks on each of 4 nodes of 4
+    assert ep_groups[0] == [0, 1, 4, 5, 8, 9, 12, 13]
+    got = expert_links(Layout(dp=2, tp=2, pp=2, cp=2, ep=8), order, 4)
+    assert got == (group_link(ep_groups, 4), group_link(edp_groups, 4)) == (Link(8, 2), Link(1, 1))
+
+
+def _mixtral(seq_len: int = 4096, global_batch: int = 8):
+    from fivefold.config import load_config
+    from fivefold.plan.workload import workload_from_config
+
+    return workload_from_config(load_config(None, ["--model.preset", "mixtral-8x7b", "--train.dtype", "bf16",
+                                                   "--train.seq_len", str(seq_len),
+                                                   "--train.global_batch", str(global_batch)]))
+
+
+def test_ep_borrowing_tp_traffic_and_time_by_hand():
+    import dataclasses
+
+    from fivefold.plan.estimate import estimate
+    from fivefold.plan.hardware import DEFAULT_RUNTIME
+
+    # Mixtral 8x7B (32 MoE layers, dim 4096, top-2), seq 4096, bf16, dp2 tp2 cp2 ep8 (ep > dp·cp = 4:
+    # it borrows tp), mbs 1, global batch 8: m = 8 / 2 = 4 micro-batches. Per micro-batch a rank
+    # holds 4096 / cp2 = 2048 tokens and its tp slice routes 2048 / tp2 = 1024 of them; one
+    # all-to-all sends 1024 x 2 copies x 4096 x 2 bytes x 7/8 (to the 7 others) = 14,680,064 bytes;
+    # 4 per layer (dispatch, combine, forward and backward), 32 layers, 4 micro-batches:
+    # 4 x 32 x 4 x 14,680,064 = 7,516,192,768 bytes per step.
+    w, hw = _mixtral(), _h100()
+    layout = Layout(dp=2, tp=2, cp=2, ep=8, mbs=1)
+    sent = 1024 * 2 * 4096 * 2 * 7 / 8
+    assert sent == 14_680_064
+    exchanges = 4 * 32 * 4
+    on_nvlink = estimate(w, layout, hw, DEFAULT_RUNTIME)
+    assert on_nvlink.comm_bytes["ep"] == pytest.approx(exchanges * sent, rel=1e-12) == 7_516_192_768
+    # 8 GPUs per node: the ep group is the job's 8 ranks, one node: NVLink, 14,680,064 / 360 GB/s
+    # + 10 us = 50.8 us per all-to-all, 26.0 ms per step.
+    assert on_nvlink.time_parts["ep"] == pytest.approx(exchanges * (sent / 360e9 + 10e-6), rel=1e-9)
+    # 4 GPUs per node: two nodes of 4. Of a rank's 14,680,064 bytes, 4/7 (8,388,608) go to the other
+    # node through its NIC at 40 GB/s / (1 + 1/36 for the second node), while 3/7 (6,291,456) cross
+    # NVLink at the same time: 0.2155 ms + 57 us per all-to-all.
+    across = estimate(w, layout, dataclasses.replace(hw, gpus_per_node=4), DEFAULT_RUNTIME)
+    off_node = 8_388_608 * (1 + 1 / 36) / 40e9
+    assert off_node > 6_291_456 / 360e9
+    assert across.comm_bytes["ep"] == on_nvlink.comm_bytes["ep"]
+    assert across.time_parts["ep"] == pytest.approx(exchanges * (off_node + 57e-6), rel=1e-9)
+
+
+def test_expert_gradients_reduce_over_the_edp_group_only():
+    from fivefold.plan.estimate import estimate
+    from fivefold.plan.hardware import DEFAULT_RUNTIME
+    from fivefold.plan.memory import rank_param_counts
+    from fivefold.plan.schedule import pipeline_ranks
+
+    # ZeRO-1 (fp32 reduction and weights: 4 + 4 bytes per parameter) under HSDP, dp4 as 2 shards x
+    # 2 replicas, tp2. Dense weights (D per rank): reduce-scatter + all-gather over the shard pair,
+    # 1/2 x 8D, and the replicas' all-reduce of the half, 2 x 1/2 x 4D/2: 6D. Expert weights (E per
+    # rank) are sharded over their whole edp group, replicas included (parallel/zero.py): no replica
+    # term. ep4 takes all of dp, and its edp group is the tp pair (4 x 2 / 4 = 2): 1/2 x 8E = 4E;
+    # ep8 borrows tp: edp = 1, no expert traffic at all.
+    w = _mixtral()
+    for ep, expert_share in ((4, 4), (8, 0)):
+        layout = Layout(dp=4, dp_shard=2, tp=2, ep=ep, zero=1, mbs=1)
+        dense, experts = rank_param_counts(w.stats, layout, pipeline_ranks(w.stats, layout, w.seq_len)[0])
+        got = estimate(w, layout, _h100(), DEFAULT_RUNTIME).comm_bytes["dp"]
+        assert got == pytest.approx(6 * dense + expert_share * experts, rel=1e-12), ep

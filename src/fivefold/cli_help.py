@@ -77,6 +77,7 @@ UNCOMMENTED = {
     "model.qk_nope_head_dim": "multi-head latent attention: per-head query/key dims without RoPE",
     "model.qk_rope_head_dim": "multi-head latent attention: the shared RoPE key's dims",
     "model.v_head_dim": "multi-head latent attention: per-head value dims",
+    "model.mtp_loss_weight": "weight of the multi-token-prediction loss (mean over its depths) in the gradients",
     "parallel.dp": "data-parallel degree",
     "parallel.tp": "tensor-parallel degree",
     "parallel.pp": "pipeline-parallel degree (stages)",

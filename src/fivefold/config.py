@@ -86,6 +86,11 @@ class ModelConfig:
     qk_rope_head_dim: int = checked(0, ge=0)
     v_head_dim: int = checked(0, ge=0)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # Multi-token prediction (deepseek_v3, models/mtp.py): mtp_depth extra blocks after the last
+    # layer, block k predicting the token k+1 places ahead; their mean loss, times mtp_loss_weight,
+    # joins the LM loss in the gradients (DeepSeek-V3 trained with 0.3, then 0.1; `loss` stays the LM loss).
+    mtp_depth: int = checked(0, ge=0, note="0 = off")
+    mtp_loss_weight: float = checked(0.1, ge=0)
     # A Hugging Face folder (config.json + safetensors): the model's shape comes from its config.json
     # and a fresh run starts from its weights, each rank reading only the slices it holds.
     init_from: str = ""

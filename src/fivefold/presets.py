@@ -50,10 +50,11 @@ PRESETS: dict[str, dict] = {
                               norm_eps=1e-6, max_seq_len=4096, rope_scaling=0.0,
                               moe=dict(n_experts=256, top_k=8, n_shared_experts=1, first_dense=3,
                                        expert_ffn_dim=2048, score="sigmoid", balance="bias")),
-    # DeepSeek-V3 (671B, 37B active; its multi-token-prediction module is not built): latent attention
+    # DeepSeek-V3 (671B, 37B active, + 14B for its one multi-token-prediction block): latent attention
     # (q through a 1536 latent, k/v from a 512 one, 128+64 q/k head dims, 128 value), 3 dense layers,
     # then 256 routed experts top-8 within the best 4 of 8 groups, weights x2.5, and 1 shared expert.
     "deepseek-v3": dict(_DEEPSEEK_YARN, family="deepseek_v3", dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+                        mtp_depth=1,
                         ffn_dim=18432, vocab_size=129280, tie_embeddings=False, norm_eps=1e-6,
                         rope_yarn_mscale=1.0, rope_yarn_mscale_all_dim=1.0,
                         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -99,10 +100,10 @@ PRESETS: dict[str, dict] = {
                            moe=dict(n_experts=8, top_k=2, expert_ffn_dim=64, norm_topk_prob=True,
                                     dense_layers="0", aux_loss_coeff=0.001)),
     # Tiny DeepSeek-V3 for tests: latent attention with a q latent, q/k head dim 16+8 != value 16 (and
-    # != dim/n_heads), 8 experts top-2 within 1 of 2 groups, 1 shared, the first layer dense. 4 heads:
-    # tp2, and cp2 ulysses on top, split them.
+    # != dim/n_heads), 8 experts top-2 within 1 of 2 groups, 1 shared, the first layer dense, and one
+    # multi-token-prediction block. 4 heads: tp2, and cp2 ulysses on top, split them.
     "tiny-deepseek-v3": dict(family="deepseek_v3", dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=128,
-                             vocab_size=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6,
+                             mtp_depth=1, vocab_size=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6,
                              max_seq_len=1024, rope_scaling=0.0,
                              q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                              v_head_dim=16,

@@ -2,19 +2,20 @@
 
 Each failure is one sentence naming the key(s) and the fix. A key's own range and choices are
 declared beside it in config.py (`checked(...)`) and checked first; the rules here tie keys
-together, or look at files (data, tokenizer, run folders). Checks run in a fixed order so the
-first problem reported is the most basic one (a bad value before a bad combination).
+together, or look at files (run folders here; data and tokenizer in validate_data.py). Checks
+run in a fixed order so the first problem reported is the most basic one (a bad value before a
+bad combination).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import tempfile
 from pathlib import Path
 
 from fivefold.config import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ConfigError  # noqa: F401 - re-exported
 from fivefold.config_checks import check_fields
+from fivefold.validate_data import check_data
 
 DIMS = ("pp", "dp", "cp", "tp")
 
@@ -249,78 +250,6 @@ def _check_pipeline(cfg: Config) -> None:
                  f"multiple of pp; {fix}")
 
 
-def _check_data(cfg: Config) -> None:
-    d, m = cfg.data, cfg.model
-    if d.mix or (Path(d.source) / "manifest.json").is_file():  # a prepared folder (token_shards.py)
-        _check_prepared_data(cfg)
-        return
-    if d.source != "builtin":
-        _require(Path(d.source).exists(), f"data.source '{d.source}' does not exist; give a text/jsonl/"
-                 "parquet file or folder, or 'builtin'")
-        if d.document_mask and Path(d.source).is_file() and Path(d.source).suffix not in (".jsonl", ".parquet"):
-            check_documents(f"data.source '{d.source}'", 1)  # before any process starts (train/data.py)
-    if d.tokenizer == "byte":
-        _require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size} is too small for the byte "
-                 "tokenizer; it needs at least 256")
-    else:
-        _require(Path(d.tokenizer).is_file(), f"data.tokenizer '{d.tokenizer}' is not a file; give a "
-                 "Hugging Face tokenizer.json or 'byte'")
-        n_tokens = _tokenizer_size(d.tokenizer)
-        _require(n_tokens <= m.vocab_size, f"the tokenizer has {n_tokens} tokens but model.vocab_size="
-                 f"{m.vocab_size}; raise model.vocab_size to at least {n_tokens}")
-
-
-def check_documents(what: str, n_documents: int) -> None:
-    """Document masking needs a corpus of several documents; one sentence otherwise."""
-    if n_documents < 2:
-        raise ConfigError(f"data.document_mask = true needs documents to keep attention inside, but {what} "
-                          f"holds {n_documents} document{'' if n_documents == 1 else 's'} (a text file is one "
-                          "document); use a .jsonl or .parquet file (one document per line or row), a folder "
-                          "of files or a prepared folder, or set data.document_mask = false")
-
-
-def _tokenizer_size(path: str) -> int:
-    """The vocabulary of a tokenizer.json; one sentence when the file is not one."""
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(path).get_vocab_size()
-    except Exception as err:  # tokenizers raises plain Exceptions for unreadable or foreign files
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"data.tokenizer '{path}' is not a Hugging Face tokenizer.json ({reason}); give the "
-                          "tokenizer.json of a model (its folder holds one) or 'byte'") from None
-
-
-def _check_prepared_data(cfg: Config) -> None:
-    """data.source = a prepared folder, or data.mix = several: the tokenizer is the manifest's."""
-    from fivefold.train.mixture import parse_mix
-    from fivefold.train.token_shards import read_manifest
-
-    d, m = cfg.data, cfg.model
-    _require(not d.mix or d.source == "builtin", f"data.mix and data.source='{d.source}' are both set; "
-             "give the folders and their weights in data.mix alone")
-    weights = parse_mix(d.mix) if d.mix else []
-    _require(all(math.isfinite(w) for _, w in weights), f"data.mix='{d.mix}' has a weight that is not a "
-             "finite number; give each folder a weight > 0, e.g. \"web:0.7,code:0.3\"")
-    folders = [folder for folder, _ in weights] if d.mix else [d.source]
-    tokenizers = {}
-    for folder in folders:
-        key = "data.mix" if d.mix else "data.source"
-        _require(Path(folder).is_dir(), f"{key} folder '{folder}' does not exist; make it with "
-                 f"`fivefold prepare SRC --out {folder}`")
-        manifest = read_manifest(folder)
-        if d.document_mask:
-            check_documents(f"{key} folder '{folder}'", manifest["documents"])
-        tokenizer = manifest["tokenizer"]
-        _require(tokenizer["vocab_size"] <= m.vocab_size, f"'{folder}' was prepared with a tokenizer of "
-                 f"{tokenizer['vocab_size']} tokens but model.vocab_size={m.vocab_size}; raise model.vocab_size "
-                 f"to at least {tokenizer['vocab_size']}")
-        tokenizers[folder] = tokenizer
-    labels = {f: t["name"] + (f" sha256 {t['sha256'][:12]}" if "sha256" in t else "") for f, t in tokenizers.items()}
-    _require(len(set(labels.values())) == 1, "data.mix folders were prepared with different tokenizers (" +
-             ", ".join(f"{f}: {label}" for f, label in labels.items()) + "); prepare them all with the same one")
-
-
 def _check_checkpoint(cfg: Config) -> None:
     c = cfg.checkpoint
     _require(c.resume in ("none", "auto") or Path(c.resume).exists(),
@@ -386,7 +315,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _check_model(cfg)
     _check_train(cfg)
     _check_parallel(cfg, world_size)
-    _check_data(cfg)
+    check_data(cfg)
     _check_checkpoint(cfg)
     if world_size is not None:  # a launch writes there (`config show` and `plan` write nothing)
         _check_run_folders(cfg)
@@ -404,7 +333,11 @@ def check_supported(cfg: Config) -> None:
     from fivefold.models.registry import model_spec
 
     p, m = cfg.parallel, cfg.model
-    model_spec(m).check(m)
+    spec = model_spec(m)
+    _require(not m.mtp_depth or spec.multi_token_prediction,
+             f"model.mtp_depth={m.mtp_depth} needs a family with multi-token prediction (deepseek_v3); "
+             f"model.family={m.family} has none, so set model.mtp_depth = 0")
+    spec.check(m)
     check_backend(p.backend, torch.cuda.is_available())
 
 

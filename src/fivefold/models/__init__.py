@@ -26,17 +26,19 @@ def build_model(cfg, seed: int):
     from fivefold.models.init import fill_whole
     from fivefold.models.registry import model_spec
 
-    spec = model_spec(cfg)
-    model = spec.build(cfg)
-    fill_whole(model, spec.initial_values(cfg, seed))
+    model = model_spec(cfg).build(cfg)
+    fill_whole(model, initial_values(cfg, seed))
     return model
 
 
 def initial_values(cfg, seed: int):
-    """fill(name, whole_shape, offsets, sizes) of the family's seeded initial weights."""
+    """fill(name, whole_shape, offsets, sizes) of the family's seeded initial weights. A tied copy
+    (a pipeline's last stage holds its own) gets its source's values."""
     from fivefold.models.registry import model_spec
 
-    return model_spec(cfg).initial_values(cfg, seed)
+    spec = model_spec(cfg)
+    fill, tied = spec.initial_values(cfg, seed), spec.tied(cfg)
+    return lambda name, *box: fill(tied.get(name, name), *box)
 
 
 __all__ = ["build_meta_model", "build_model", "initial_values"]

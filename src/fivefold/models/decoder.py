@@ -178,12 +178,14 @@ class Transformer(nn.Module):
         return angles.cos(), angles.sin()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, future: torch.Tensor | None = None) -> torch.Tensor:
         """`tokens` are ids, or hidden states when an earlier part of the model ran elsewhere.
 
         `positions` (batch or 1, seq) defaults to 0..seq-1; a shard of a sequence passes its own.
         `documents` (batch, seq), each token's document id, keeps attention inside documents
         (models/documents.py); RoPE positions restarting per document come in `positions`.
+        `future` (batch, seq, 1 + mtp_depth): the tokens ahead of each position, for a family with
+        multi-token prediction (models/mtp.py); without it, or in evaluation, no MTP block runs.
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -191,11 +193,20 @@ class Transformer(nn.Module):
             positions = positions[None]  # (batch or 1, seq)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_tables(positions)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, documents)
-        if self.norm is not None:
-            h = in_compute_dtype(self.norm(h))
-        return self.output(h) if self.output is not None else h
+        for name, layer in self.layers.items():
+            if int(name) < self.cfg.n_layers:  # blocks past them belong to multi-token prediction
+                h = layer(h, cos, sin, documents)
+        if self.output is None:
+            return h
+        logits = self.output(in_compute_dtype(self.norm(h)))
+        if future is not None and torch.is_grad_enabled():
+            logits = self.multi_token_prediction(logits, h, future, cos, sin, documents)
+        return logits
+
+    def multi_token_prediction(self, logits, h, future, cos, sin, documents) -> torch.Tensor:
+        """The logits, carrying the multi-token-prediction loss into backward (models/mtp.py);
+        a family without it returns them as they are."""
+        return logits
 
     def reset_computed_buffers(self) -> None:
         """Recompute the buffers derived from the config (RoPE frequencies), e.g. after the model was

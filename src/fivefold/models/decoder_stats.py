@@ -45,6 +45,10 @@ class ModelStats:
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     rope_head_dim: int = 0
+    # Multi-token prediction (models/mtp.py): blocks n_layers .. n_layers + mtp_depth - 1, each a
+    # layer (MoE where is_moe_layer says so) plus eh_proj (2d x d) and three norms, sharing the
+    # embedding and output matrices. They run after the last layer, and on the last pipeline stage.
+    mtp_depth: int = 0
 
     # ----- derived counts
     @property
@@ -91,8 +95,19 @@ class ModelStats:
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
 
+    @property
+    def mtp_layers(self) -> range:
+        return range(self.n_layers, self.n_layers + self.mtp_depth)
+
+    @property
+    def mtp_params(self) -> int:
+        """All multi-token-prediction blocks (their shared matrices are counted once, in embedding_params)."""
+        return sum(self.layer_params(i) for i in self.mtp_layers)
+
     def layer_params(self, layer: int, active_only: bool = False) -> int:
         base = self.attention_params + self.norm_params
+        if layer >= self.n_layers:  # a multi-token-prediction block: eh_proj, enorm, hnorm, head norm
+            base += 2 * self.dim * self.dim + 3 * self.dim
         if not self.is_moe(layer):
             return base + self.dense_mlp_params
         experts = self.top_k if active_only else self.n_experts
@@ -100,13 +115,13 @@ class ModelStats:
 
     @property
     def total_params(self) -> int:
-        layers = sum(self.layer_params(i) for i in range(self.n_layers))
+        layers = sum(self.layer_params(i) for i in range(self.n_layers + self.mtp_depth))
         return layers + self.embedding_params + self.dim  # + final norm
 
     @property
     def active_params(self) -> int:
         """Parameters one token touches (MoE: top_k routed experts instead of all of them)."""
-        layers = sum(self.layer_params(i, active_only=True) for i in range(self.n_layers))
+        layers = sum(self.layer_params(i, active_only=True) for i in range(self.n_layers + self.mtp_depth))
         return layers + self.embedding_params + self.dim
 
     @property
@@ -129,14 +144,19 @@ class ModelStats:
         return 6.0 * (self.router_params + self.shared_expert_params + self.top_k * self.expert_params)
 
     def layer_flops_per_token(self, layer: int, seq_len: int) -> float:
-        return 6.0 * self.layer_params(layer, active_only=True) + self.attention_flops_per_token(seq_len)
+        """A multi-token-prediction block also runs the (shared) output layer once more."""
+        head = self.output_flops_per_token if layer >= self.n_layers else 0.0
+        return 6.0 * self.layer_params(layer, active_only=True) + self.attention_flops_per_token(seq_len) + head
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per token for forward + backward: 6 N_active + 12 L q s (no recomputation;
-        q = heads x head_dim). MoE counts the experts a token visits, not all of them.
+        q = heads x head_dim). MoE counts the experts a token visits, not all of them. Each
+        multi-token-prediction block counts as a layer, plus its use of the output layer.
 
         N includes the embedding, as the Playbook's and most MFU figures do."""
-        return 6.0 * self.active_params + self.n_layers * self.attention_flops_per_token(seq_len)
+        blocks = self.n_layers + self.mtp_depth
+        return (6.0 * self.active_params + blocks * self.attention_flops_per_token(seq_len)
+                + self.mtp_depth * self.output_flops_per_token)
 
     def mfu(self, seq_len: int, tokens_per_sec_per_device: float, peak_flops: float) -> float:
         """Model FLOPs utilisation: the share of a device's peak that this throughput's model FLOPs
@@ -148,6 +168,11 @@ class ModelStats:
         """The output projection (a real matmul, unlike the embedding lookup)."""
         return 6.0 * self.vocab_size * self.dim
 
+    def head_flops_per_token(self, seq_len: int) -> float:
+        """What the last pipeline stage runs after the layers: the output projection and the
+        multi-token-prediction blocks."""
+        return self.output_flops_per_token + sum(self.layer_flops_per_token(i, seq_len) for i in self.mtp_layers)
+
 
 def decoder_stats(model, qk_norm: bool = False) -> ModelStats:
     """ModelConfig -> ModelStats of models/decoder.py's Transformer."""
@@ -157,7 +182,7 @@ def decoder_stats(model, qk_norm: bool = False) -> ModelStats:
     n_experts = moe.n_experts
     if n_experts > 0:
         expert_ffn = moe.expert_ffn_dim or model.ffn_dim
-        moe_layers = tuple(i for i in range(model.n_layers) if is_moe_layer(model, i))
+        moe_layers = tuple(i for i in range(model.n_layers + model.mtp_depth) if is_moe_layer(model, i))
         expert_params = 3 * h * expert_ffn
         shared = moe.n_shared_experts * expert_params
         router = h * n_experts
@@ -172,4 +197,5 @@ def decoder_stats(model, qk_norm: bool = False) -> ModelStats:
         dense_mlp_params=3 * h * model.ffn_dim,
         n_experts=n_experts, top_k=top_k, expert_params=expert_params,
         shared_expert_params=shared, router_params=router, moe_layers=moe_layers, qk_norm=qk_norm,
+        mtp_depth=model.mtp_depth,
     )

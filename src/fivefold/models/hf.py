@@ -84,7 +84,7 @@ def model_from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> nn
 def _materialize_buffers(model: nn.Module, cfg: ModelConfig) -> None:
     """Non-persistent buffers (RoPE frequencies) are computed, not loaded: take them from a model of
     the same config with no layers and a one-token vocabulary, which costs nothing to build."""
-    shell = model_spec(cfg).build(dataclasses.replace(cfg, n_layers=0, vocab_size=1))
+    shell = model_spec(cfg).build(dataclasses.replace(cfg, n_layers=0, vocab_size=1, mtp_depth=0))
     for name, buffer in shell.named_buffers():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, buffer)
@@ -99,7 +99,10 @@ def save_hf(model: nn.Module, path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
     from fivefold.models.hf_stream import write_hf_folder
 
     spec = model_spec(model.cfg)
-    missing = [m for m in (*spec.first_stage, *spec.last_stage) if getattr(model, m) is None]
+    # What a whole model of this config has of the stage-end modules (some exist only with some keys).
+    shell = spec.build(dataclasses.replace(model.cfg, n_layers=0, vocab_size=1))
+    missing = [m for m in (*spec.first_stage, *spec.last_stage)
+               if getattr(model, m) is None and getattr(shell, m) is not None]
     if missing:
         raise ValueError(f"save_hf needs the whole model, but this one has no {', '.join(missing)} "
                          "(a pipeline stage?)")

@@ -52,6 +52,12 @@ class HFAdapter:
     # (HF tensor name, our config) -> whether a file's tensor is one transformers' class drops on
     # load too (DeepSeek-V3's multi-token-prediction layers past the last layer), never an error.
     dropped_by_hf: Callable[[str, ModelConfig], bool] = field(default=lambda name, cfg: False)
+    # our config -> {Hugging Face name: our name} of tensors the family's files repeat (DeepSeek's
+    # multi-token-prediction layers hold copies of the embedding and output matrices): written as
+    # copies, accepted and not read on load.
+    hf_copies: Callable[[ModelConfig], dict[str, str]] = field(default=lambda cfg: {})
+    # (config read from config.json, names of the tensors in the files) -> the config those files hold
+    fit_to_files: Callable[[ModelConfig, set], ModelConfig] = field(default=lambda cfg, names: cfg)
 
     def __post_init__(self):
         object.__setattr__(self, "_to_ours", [(_pattern(hf), ours) for hf, ours in self.names])
@@ -68,6 +74,10 @@ class HFAdapter:
             raise KeyError(f"no Hugging Face name for parameter {our_name} in the {self.model_type} adapter; "
                            "add a row to its names")
         return hf
+
+    def maybe_hf_name(self, our_name: str) -> str | None:
+        """`hf_name`, or None for a tensor of ours with no Hugging Face name (a tied copy may have none)."""
+        return _translate(our_name, self._to_hf)
 
     def our_name(self, hf_name: str) -> str | None:
         """Our parameter name for a Hugging Face tensor name, or None when the table has no row."""

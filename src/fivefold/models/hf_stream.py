@@ -67,17 +67,18 @@ class HFBoxes:
 
     def __init__(self, folder, dtype: torch.dtype | None = torch.float32):
         self.folder, self.dtype = Path(folder), dtype
+        self._handles: dict[Path, object] = {}
+        self._where = self._locate()
         self.cfg = read_hf_config(self.folder)
+        self.cfg = model_spec(self.cfg).hf.fit_to_files(self.cfg, set(self._where))
         spec = model_spec(self.cfg)
         self.adapter, self.tied = spec.hf, spec.tied(self.cfg)
         self.shapes = {name: tuple(t.shape) for name, t in build_meta_model(self.cfg).state_dict().items()
                        if name not in self.tied}  # HF omits a tied lm_head
-        self._handles: dict[Path, object] = {}
         self._sources = {name: self.adapter.hf_sources(name, self.cfg.moe.n_experts) for name in self.shapes
                          if not self.adapter.ours_only.match(name)}
         for copy, source in self.tied.items():  # the trainer asks for the tied matrix under both names
             self._sources[copy] = self._sources[source]
-        self._where = self._locate()
         self._check()
 
     def __call__(self, name: str, whole_shape, offsets, sizes) -> torch.Tensor:
@@ -132,7 +133,7 @@ class HFBoxes:
         folder = self.folder
         needed = {hf: ours for ours, names in self._sources.items() for hf in names}
         # A file may hold a tied copy too (transformers drops it, others keep it): never needed.
-        tied_copies = {self.adapter.hf_name(copy) for copy in self.tied}
+        tied_copies = {self.adapter.maybe_hf_name(copy) for copy in self.tied} | set(self.adapter.hf_copies(self.cfg))
         for name in self._where:
             dropped = IGNORED_HF.match(name) or self.adapter.dropped_by_hf(name, self.cfg)
             if name not in needed and not dropped and name not in tied_copies:
@@ -199,6 +200,9 @@ def write_hf_folder(folder, cfg: ModelConfig, tensors: dict[str, tuple[tuple, to
         stacked = adapter.is_stacked(name)
         for expert, hf in enumerate(adapter.hf_sources(name, cfg.moe.n_experts)):
             entries.append((hf, tuple(shape[1:] if stacked else shape), dtype, name, expert if stacked else None))
+    for hf, name in adapter.hf_copies(cfg).items():  # tensors the family's files repeat
+        source = tied.get(name, name)  # a tied output layer is the embedding
+        entries.append((hf, tuple(tensors[source][0]), tensors[source][1], source, None))
 
     shards: list[list] = [[]]  # consecutive entries, a new shard when the next would pass the limit
     filled = 0

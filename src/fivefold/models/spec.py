@@ -46,13 +46,17 @@ class TP:
     # nn.Linear replicated on every tp rank, computing on the whole (gathered) input, whose output
     # feeds column-split layers (a latent down-projection, as in MLA): its gradient is a partial sum.
     REPLICATED_PARTIAL = "replicated_partial"
+    # nn.Linear replicated on every tp rank, applied per token to the stream (multi-token
+    # prediction's eh_proj): under sequence parallelism it sees this rank's tokens only, so its
+    # gradient is a partial sum; on a whole, replicated stream it runs as it is.
+    STREAM_LINEAR = "stream_linear"
     # MoE layer: weights whole on every tp rank, tokens split (each rank routes its own slice)
     REPLICATED_MOE = "replicated_moe"
     VOCAB_EMBEDDING = "vocab_embedding"  # nn.Embedding split by vocabulary rows
     VOCAB_OUTPUT = "vocab_output"  # nn.Linear split by vocabulary; logits stay sharded for the loss
 
     ALL = (COLUMN, ROW_TO_SEQUENCE, ROW_TO_TOKENS, WHOLE_SEQUENCE_IN, ALL_TOKENS_IN, STREAM_NORM,
-           PARTIAL_NORM, REPLICATED_PARTIAL, REPLICATED_MOE, VOCAB_EMBEDDING, VOCAB_OUTPUT)
+           PARTIAL_NORM, REPLICATED_PARTIAL, STREAM_LINEAR, REPLICATED_MOE, VOCAB_EMBEDDING, VOCAB_OUTPUT)
 
 
 @dataclass(frozen=True)
@@ -76,3 +80,5 @@ class ModelSpec:
     hf: HFAdapter
     # Family-specific checks of a config, one sentence each (raise ConfigError).
     check: Callable[[ModelConfig], None] = field(default=lambda cfg: None)
+    # Whether the family builds model.mtp_depth multi-token-prediction blocks (models/mtp.py).
+    multi_token_prediction: bool = False

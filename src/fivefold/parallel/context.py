@@ -71,16 +71,18 @@ class DocumentWindows:
 
 
 class SequenceSplit:
-    """Which tokens of each training window this rank keeps: all of them at cp=1."""
+    """Which tokens of each training window this rank keeps: all of them at cp=1. With
+    multi-token prediction (`mtp_depth` > 0) the labels are (batch, seq, 1 + mtp_depth), the tokens
+    ahead of each position (models/mtp.py), made from the whole window before it is split."""
 
-    def __init__(self, cp_rank: int = 0, cp: int = 1):
-        self.cp_rank, self.cp = cp_rank, cp
+    def __init__(self, cp_rank: int = 0, cp: int = 1, mtp_depth: int = 0):
+        self.cp_rank, self.cp, self.mtp_depth = cp_rank, cp, mtp_depth
 
     @classmethod
-    def from_mesh(cls, mesh) -> "SequenceSplit":
+    def from_mesh(cls, mesh, mtp_depth: int = 0) -> "SequenceSplit":
         if mesh is None or mesh["cp"].size() == 1:
-            return cls()
-        return cls(mesh["cp"].get_local_rank(), mesh["cp"].size())
+            return cls(mtp_depth=mtp_depth)
+        return cls(mesh["cp"].get_local_rank(), mesh["cp"].size(), mtp_depth)
 
     def __call__(self, windows: torch.Tensor):
         """(inputs, labels, RoPE positions (1, local_seq) or None) from windows of seq_len+1 tokens."""
@@ -94,6 +96,10 @@ class SequenceSplit:
             tokens, documents = windows.tokens, windows.documents[:, :-1]  # the inputs' ids
             positions = None if windows.positions is None else windows.positions[:, :-1]
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        if self.mtp_depth:
+            from fivefold.models.mtp import future_tokens
+
+            labels = future_tokens(tokens, self.mtp_depth)
         if self.cp == 1:
             return inputs, labels, positions, documents
         local_len = inputs.shape[1] // self.cp

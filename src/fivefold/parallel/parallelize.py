@@ -17,6 +17,7 @@ from torch import nn
 from fivefold.config import Config
 from fivefold.mesh import ParallelDims
 from fivefold.models.init import Fill
+from fivefold.models.mtp import mtp_layers
 from fivefold.models.registry import model_spec
 from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.comm_ledger import CommLedger
@@ -30,13 +31,23 @@ from fivefold.parallel.sharded_inputs import keeps_shards
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position (fp32 for a stable log-softmax)."""
+    """Mean next-token cross-entropy over every position (fp32 for a stable log-softmax). Labels
+    (batch, seq, 1 + mtp_depth) carry multi-token prediction's targets too (models/mtp.py): the
+    LM labels are their first column."""
+    if labels.dim() == 3:
+        labels = labels[..., 0]
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _future(labels: torch.Tensor) -> dict:
+    """The model's keyword for multi-token prediction's targets, when the labels carry them."""
+    return {"future": labels} if labels.dim() == 3 else {}
 
 
 class Parallelized:
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, mesh, data_parallel: DataParallel,
-                 n_params: int, loss_parallel: bool, device: torch.device, pipeline: Pipeline | None = None):
+                 n_params: int, loss_parallel: bool, device: torch.device, pipeline: Pipeline | None = None,
+                 mtp_depth: int = 0):
         # parts: the model, or under pipeline parallelism the stages this rank runs.
         self.parts, self.dims, self.mesh, self.pipeline = parts, dims, mesh, pipeline
         self.device = device  # where the collectives of host numbers run (parallel/collectives.py)
@@ -47,7 +58,10 @@ class Parallelized:
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         self._dp_cp_group = mesh["dp_cp"].get_group() if mesh is not None else None
         self.ledger = CommLedger(group_dimensions(mesh)) if mesh is not None else None
-        self._sequence_split = SequenceSplit.from_mesh(mesh)  # all of each sequence unless cp > 1
+        # All of each sequence unless cp > 1; labels with the tokens ahead under multi-token prediction.
+        self._sequence_split = SequenceSplit.from_mesh(mesh, mtp_depth)
+        self._mtp_depth = mtp_depth
+        self.mtp_metrics: dict = {}  # multi-token prediction's loss of the last step
         self._tied_group = None  # set by parallelize() when a tied matrix is split over pp ranks
         self._ep_mesh = mesh["ep"] if mesh is not None and dims.ep > 1 else None
         self.router_metrics: dict = {}  # MoE load, imbalance, drops, aux loss of the last step
@@ -63,6 +77,13 @@ class Parallelized:
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self._loss_context():
             return lm_loss(logits, labels)
+
+    def forward_loss(self, inputs, labels, positions=None, documents=None) -> torch.Tensor:
+        """The model's forward and LM loss on one micro-batch (no pipeline). The loss context is
+        around the forward too: multi-token prediction computes its losses inside the model, on
+        logits that tensor parallelism leaves vocabulary-sharded."""
+        with self._loss_context():
+            return lm_loss(self.model(inputs, positions, documents, **_future(labels)), labels)
 
     def backward(self, loss: torch.Tensor) -> None:
         with self._loss_context():
@@ -94,6 +115,9 @@ class Parallelized:
         global batch; returns the sum of the micro-batch losses (each already divided by n_micro)."""
         # MoE aux loss weighs like each micro-batch's LM loss: 1/n_micro (the pipeline's too).
         set_aux_grad_scale(self.parts, 1.0 / n_micro)
+        for part in self.parts:  # multi-token prediction's loss too
+            for layer in mtp_layers(part):
+                layer.aux_grad_scale = 1.0 / n_micro
         self._n_micro = n_micro
         if self.pipeline is not None:
             inputs, labels, positions, documents = self.split_windows(batch)
@@ -106,7 +130,7 @@ class Parallelized:
             inputs, labels, positions, documents = self.split_windows(chunk)
             with self.grad_sync(is_last=micro == n_micro - 1):
                 with autocast():
-                    loss = self.loss(self.model(inputs, positions, documents), labels) / n_micro
+                    loss = self.forward_loss(inputs, labels, positions, documents) / n_micro
                 self.backward(loss)
             total += self.loss_value(loss)
         return total
@@ -138,6 +162,18 @@ class Parallelized:
         self.data_parallel.optimizer_step(optimizer)
         # MoE: the step's load over the global batch moves balancing biases; metrics for the log.
         self.router_metrics = finish_router_step(self.parts, self._dp_cp_group, self._n_micro, self.device)
+        if self._mtp_depth:
+            self.mtp_metrics = self._take_mtp_loss()
+
+    def _take_mtp_loss(self) -> dict:
+        """`mtp_loss`: multi-token prediction's loss of the step (mean over its depths and the
+        step's micro-batches, over the global batch), unweighted. Only the last pipeline stage
+        computes it; every rank gets it."""
+        mine = sum(sum(layer.take_losses(last=self._n_micro)) for part in self.parts for layer in mtp_layers(part))
+        value = self.mean_over_dp(mine / (self._n_micro * self._mtp_depth))
+        if self.pipeline is not None:
+            value = all_reduce_scalars([value], self.pipeline.pp_group, self.device).item()
+        return {"mtp_loss": value}
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return self.data_parallel.state_bytes(optimizer)
@@ -246,7 +282,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
             data_parallel.extra_copies[id(param)] = 2  # the pipeline holds the matrix twice
         pipeline.build_schedule(cfg, lm_loss)
     par = Parallelized(parts, dims, mesh, data_parallel, n_params, loss_parallel=dims.tp > 1,
-                       device=device, pipeline=pipeline)
+                       device=device, pipeline=pipeline, mtp_depth=cfg.model.mtp_depth)
     par._tied_group = tied_group
     if tied_group is not None and par.ledger is not None:
         par.ledger.group_dims[tied_group.group_name] = "pp"  # the pipeline's two ends

@@ -42,22 +42,27 @@ SCHEDULES = {
 
 
 class StagePositions:
-    """The RoPE positions (and, under document masking, document ids) every stage of this rank
-    uses for the current step: a stage receives only hidden states, which under sequence
-    parallelism hold a slice of the sequence. Positions shared by every sequence are one
-    (1, seq) tensor; per-sequence ones are cut into the schedule's micro-batches, and each stage
-    reads those of the micro-batch it is running (`select`, called as each forward starts)."""
+    """The RoPE positions (and, under document masking, document ids; with multi-token prediction,
+    the tokens ahead of each position) every stage of this rank uses for the current step: a stage
+    receives only hidden states, which under sequence parallelism hold a slice of the sequence.
+    Positions shared by every sequence are one (1, seq) tensor; per-sequence ones are cut into the
+    schedule's micro-batches, and each stage reads those of the micro-batch it is running
+    (`select`, called as each forward starts)."""
 
     value: torch.Tensor | None = None  # the positions of the micro-batch being run
     documents: torch.Tensor | None = None  # its document ids, or None
+    future: torch.Tensor | None = None  # its tokens ahead (models/mtp.py), or None
 
-    def set(self, positions: torch.Tensor, documents: torch.Tensor | None, n_micro: int) -> None:
+    def set(self, positions: torch.Tensor, documents: torch.Tensor | None, n_micro: int,
+            future: torch.Tensor | None = None) -> None:
         self._positions = positions.chunk(n_micro) if positions.shape[0] > 1 else [positions] * n_micro
         self._documents = documents.chunk(n_micro) if documents is not None else [None] * n_micro
+        self._future = future.chunk(n_micro) if future is not None else [None] * n_micro
         self.select(0)
 
     def select(self, micro: int) -> None:
         self.value, self.documents = self._positions[micro], self._documents[micro]
+        self.future = self._future[micro]
 
 
 def build_stage_module(full: nn.Module, spec: ModelSpec, layer_ids: list[int], first: bool, last: bool,
@@ -71,7 +76,7 @@ def build_stage_module(full: nn.Module, spec: ModelSpec, layer_ids: list[int], f
         parent, _, name = path.rpartition(".")
         setattr(part.get_submodule(parent), name, None)
     forward = part.forward
-    part.forward = lambda x: forward(x, positions.value, positions.documents)
+    part.forward = lambda x: forward(x, positions.value, positions.documents, positions.future)
     return part
 
 
@@ -179,6 +184,9 @@ class Pipeline:
         self.schedule_name = p.pp_schedule
         self.positions = StagePositions()
         layers = layers_per_stage(cfg.model, self.n_stages, p.pp_layers, cfg.train.seq_len)
+        # Blocks past the model's layers (multi-token prediction) read the output layer's input
+        # and share its matrix: they go with the last stage.
+        layers[-1] = layers[-1] + [int(i) for i in model.layers if int(i) >= cfg.model.n_layers]
         self.stage_ids = stages_of_rank(self.pp_rank, p.pp, p.pp_virtual, p.pp_schedule)
         self.parts = [build_stage_module(model, spec, layers[s], s == 0, s == self.n_stages - 1, self.positions)
                       for s in self.stage_ids]
@@ -197,13 +205,18 @@ class Pipeline:
         """This rank's copies of the tied embedding matrix: the first stage's embedding and the
         last stage's output weight, separate parameters even when both stages run here (a shared
         one would have its gradient scaled once per stage by the schedule)."""
-        copies = []
+        # Every pair's source is the embedding matrix, so all copies are one matrix's; a stage
+        # holding two of them (a tied output layer and multi-token prediction's embedding) holds
+        # one Parameter, counted once.
+        copies: dict[int, nn.Parameter] = {}
         for copy_name, source in self.tied_pairs.items():
             if self.has_first:
-                copies.append(self.parts[self.stage_ids.index(0)].get_parameter(source))
+                param = self.parts[self.stage_ids.index(0)].get_parameter(source)
+                copies[id(param)] = param
             if self.has_last:
-                copies.append(self.parts[self.stage_ids.index(self.n_stages - 1)].get_parameter(copy_name))
-        return copies
+                param = self.parts[self.stage_ids.index(self.n_stages - 1)].get_parameter(copy_name)
+                copies[id(param)] = param
+        return list(copies.values())
 
     def tied_group_members(self) -> tuple[int, int]:
         """pp ranks of the first and the last stage (different ranks when tied_copy() is not None)."""
@@ -282,8 +295,9 @@ class Pipeline:
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
             documents: torch.Tensor | None = None) -> torch.Tensor:
-        """One step of the schedule; returns the step loss (sum of the scaled micro-batch losses) on every pp rank."""
-        self.positions.set(positions, documents, self.n_micro)
+        """One step of the schedule; returns the step loss (sum of the scaled micro-batch losses) on
+        every pp rank. `labels` (batch, seq, 1 + mtp_depth) under multi-token prediction."""
+        self.positions.set(positions, documents, self.n_micro, labels if labels.dim() == 3 else None)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}

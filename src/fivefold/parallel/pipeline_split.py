@@ -26,13 +26,14 @@ def stages_of_rank(rank: int, pp: int, virtual: int, schedule: str) -> list[int]
 
 def stage_costs(model: ModelConfig, seq_len: int) -> tuple[list[float], float]:
     """FLOPs per token of each layer (MoE layers: the experts a token visits; attention grows with
-    the sequence) and of the output layer. This is the planner's cost model, so training cuts the
-    model exactly where the planner's predictions assume."""
+    the sequence) and of what the last stage runs after them (the output layer, multi-token
+    prediction). This is the planner's cost model, so training cuts the model exactly where the
+    planner's predictions assume."""
     from fivefold.plan.model_stats import model_stats  # pure arithmetic on the config
 
     stats = model_stats(model)
     return ([stats.layer_flops_per_token(i, seq_len) for i in range(model.n_layers)],
-            stats.output_flops_per_token)
+            stats.head_flops_per_token(seq_len))
 
 
 def balanced_layer_counts(costs: list[float], head: float, n_stages: int) -> list[int]:

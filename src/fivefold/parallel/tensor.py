@@ -77,8 +77,8 @@ def _apply_style(root: nn.Module, path: str, style: str, group: TensorParallelGr
     if style == TP.REPLICATED_MOE:
         _replicate_moe(module, group)
         return
-    if style == TP.STREAM_NORM and not group.sequence_parallel:
-        return  # a whole, replicated stream: the norm runs as it is
+    if style in (TP.STREAM_NORM, TP.STREAM_LINEAR) and not group.sequence_parallel:
+        return  # a whole, replicated stream: the module runs as it is
     replacements = {
         TP.COLUMN: lambda: ColumnParallelLinear(module, group),
         TP.ROW_TO_SEQUENCE: lambda: RowParallelLinear(module, group, group.scatter_sequence),
@@ -86,6 +86,7 @@ def _apply_style(root: nn.Module, path: str, style: str, group: TensorParallelGr
         TP.STREAM_NORM: lambda: PartialRMSNorm(module, group),
         TP.PARTIAL_NORM: lambda: PartialRMSNorm(module, group),
         TP.REPLICATED_PARTIAL: lambda: PartialGradLinear(module, group),
+        TP.STREAM_LINEAR: lambda: PartialGradLinear(module, group),
         TP.VOCAB_EMBEDDING: lambda: VocabParallelEmbedding(module, group, group.scatter_sequence),
         TP.VOCAB_OUTPUT: lambda: VocabParallelOutput(module, group),
     }

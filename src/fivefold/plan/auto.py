@@ -7,16 +7,15 @@ overrides (split_auto), asks `choose` for the fastest layout that the training c
 accept, prints `describe`, and hands the choice back as ordinary overrides (as_overrides), so a
 worker rank loads the same config a hand-written layout would give it.
 
-The enumeration is the search's (plan/search.py: the same degrees, micro-batch sizes, schedules,
-ZeRO stages and recomputation, in the same order), except that a key the user fixed keeps the
-user's value instead of taking the search's options; with every key free, the choice is the
-search's top pick among the layouts fivefold.validate accepts.
+The enumeration is the search's own (plan/search.py candidate_layouts: the same degrees, micro-batch
+sizes, schedules, ZeRO stages and recomputation, in the same order), given the keys the user fixed,
+which keep the user's values instead of taking the search's options; with every key free, the
+choice is the search's top pick among the layouts fivefold.validate accepts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig, parse_overrides
@@ -24,8 +23,8 @@ from fivefold.plan.estimate import Estimate, estimate
 from fivefold.plan.hardware import PROFILES, Hardware, Runtime, hardware_for, hardware_from_cluster
 from fivefold.plan.layout import Layout, config_with_layout
 from fivefold.plan.memory import worst_rank_memory
-from fivefold.plan.search import (RECOMPUTE_ORDER, SEARCH_SCHEDULES, _divisors, _powers_of_two_dividing,
-                                  explain, layout_problem, memory_reason, rank, without_ignored)
+from fivefold.plan.search import (candidate_layouts, divisors, explain, field_options, layout_problem, memory_reason,
+                                  rank)
 from fivefold.plan.workload import workload_from_config
 from fivefold.validate import validate
 
@@ -142,64 +141,10 @@ def _degrees_of(est: Estimate) -> tuple:
     return est.layout.dp, est.layout.tp, est.layout.pp, est.layout.cp, est.layout.ep
 
 
-def _options(field: str, free: frozenset[str], pinned, search_options):
-    return list(search_options) if field in free else [pinned]
-
-
-def _degrees(cfg: Config, world: int, gpus_per_node: int, free: frozenset[str], base: Layout):
-    """(dp, tp, pp, cp, ep) in the search's order (plan/search.py degree_choices); a fixed degree
-    keeps its value and is left to the validator."""
-    m, t = cfg.model, cfg.train
-    head_gcd = math.gcd(math.gcd(m.n_heads, m.n_kv_heads), math.gcd(m.ffn_dim, m.vocab_size))
-    tps = _options("tp", free, base.tp, [d for d in _divisors(min(gpus_per_node, world)) if head_gcd % d == 0])
-    for tp in tps:
-        if world % tp:
-            continue
-        cps = _options("cp", free, base.cp, [c for c in _powers_of_two_dividing(world // tp, 16)
-                                             if c == 1 or t.seq_len // c >= 4096])
-        for cp in cps:
-            if (world // tp) % cp:
-                continue
-            pps = _options("pp", free, base.pp, [p for p in _divisors(world // (tp * cp)) if p <= m.n_layers])
-            for pp in pps:
-                if (world // (tp * cp)) % pp:
-                    continue
-                dp = world // (tp * cp * pp)
-                if "dp" not in free and dp != base.dp:
-                    continue
-                if t.global_batch % dp:
-                    continue
-                # Training needs ep to divide dp*cp (fivefold.validate.check_supported).
-                eps = [e for e in _divisors(m.moe.n_experts) if (dp * cp) % e == 0] if m.moe.n_experts else [1]
-                for ep in _options("ep", free, base.ep, eps):
-                    if (dp * cp) % ep == 0:
-                        yield dp, tp, pp, cp, ep
-
-
-def _schedules(pp: int, free: frozenset[str], base: Layout):
-    if pp == 1:
-        return [(base.pp_schedule if "pp_schedule" not in free else "1f1b",
-                 base.pp_virtual if "pp_virtual" not in free else 1)]
-    names = _options("pp_schedule", free, base.pp_schedule, SEARCH_SCHEDULES)
-    if "pp_virtual" not in free:
-        return [(s, base.pp_virtual) for s in names]
-    return [(s, 1 if s in ("1f1b", "gpipe") else 2) for s in names]  # the validator's rule
-
-
-def candidate_grids(cfg: Config, world: int, gpus_per_node: int, free: frozenset[str], base: Layout):
-    """Groups of layouts that differ only in ZeRO stage and recomputation, fastest
-    recomputation first (as plan/search.py candidate_layouts)."""
-    for dp, tp, pp, cp, ep in _degrees(cfg, world, gpus_per_node, free, base):
-        per_rank = cfg.train.global_batch // dp
-        pinned_mbs = cfg.train.micro_batch or per_rank  # 0: the whole per-rank batch at once
-        for mbs in _options("mbs", free, pinned_mbs, _powers_of_two_dividing(per_rank, 8)):
-            for sched, virtual in _schedules(pp, free, base):
-                one = dataclasses.replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs,
-                                          pp_schedule=sched, pp_virtual=virtual, sp=base.sp and tp > 1)
-                zeros = (sorted({without_ignored(dataclasses.replace(one, zero=z)).zero for z in (0, 1, 2, 3)})
-                         if "zero" in free else [base.zero])
-                recomputes = RECOMPUTE_ORDER if "recompute" in free else [base.recompute]
-                yield [[dataclasses.replace(one, zero=z, recompute=r) for z in zeros] for r in recomputes]
+def _fixed(free: frozenset[str], base: Layout) -> dict:
+    """The Layout fields the planner is not to choose, with the values the config gives them
+    (plan/search.py candidate_layouts keeps them instead of taking the search's options)."""
+    return {name: getattr(base, name) for name in AUTO_KEYS.values() if name not in free}
 
 
 def _base(cfg: Config) -> Layout:
@@ -229,7 +174,7 @@ def choose(cfg: Config, world: int, hw: Hardware, runtime: Runtime, free: frozen
     workload = workload_from_config(cfg)
     base = _base(cfg)
     fitting, leanest, problems = [], None, []
-    for grid in candidate_grids(cfg, world, hw.gpus_per_node, free, base):
+    for grid in candidate_layouts(cfg, workload, world, hw.gpus_per_node, _fixed(free, base), base):
         problem = layout_problem(cfg, workload, grid[0][0], world, full_check=False)
         if problem:
             problems.append((grid[0][0], problem))
@@ -303,15 +248,15 @@ def _nothing_valid(cfg, world, hw, free, base, problems, leanest) -> str:
 def _degree_problems(cfg: Config, world: int, free: frozenset[str], base: Layout) -> list:
     """Why each split of `world` into dp*tp*pp*cp (the fixed degrees kept) fails the validator:
     the search's own options were all pruned, so say what the training code's rules say."""
-    out = []
-    for tp in _options("tp", free, base.tp, _divisors(world)):
-        for cp in _options("cp", free, base.cp, _divisors(world)):
-            for pp in _options("pp", free, base.pp, _divisors(world)):
+    out, fixed = [], _fixed(free, base)
+    for tp in field_options("tp", fixed, divisors(world)):
+        for cp in field_options("cp", fixed, divisors(world)):
+            for pp in field_options("pp", fixed, divisors(world)):
                 dp = world // (tp * cp * pp) if world % (tp * cp * pp) == 0 else 0
-                if not dp or ("dp" not in free and dp != base.dp):
+                if not dp or fixed.get("dp", dp) != dp:
                     continue
-                layout = dataclasses.replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=base.ep if "ep" not in free else 1,
-                                             mbs=cfg.train.micro_batch if "mbs" not in free else 1)
+                layout = dataclasses.replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=fixed.get("ep", 1),
+                                             mbs=fixed.get("mbs", 1))
                 problem = _training_problem(cfg, layout, world, None)
                 if problem:
                     out.append((layout, problem))

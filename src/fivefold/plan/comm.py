@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
+import numpy as np
+
+from fivefold.config import ConfigError
+from fivefold.mesh import ParallelDims
 from fivefold.plan.hardware import Hardware
 from fivefold.plan.layout import Layout
 
@@ -39,6 +44,42 @@ def placement(layout: Layout, order: tuple[str, ...], dims: tuple[str, ...], gpu
     if stride >= gpus_per_node:
         return Link(size, 1)
     return Link(size, max(1, gpus_per_node // stride))
+
+
+def group_link(groups: list[list[int]], gpus_per_node: int) -> Link:
+    """The Link of the worst of these equal-sized groups of global ranks (ranks numbered node by
+    node): per_node is the fewest members any node holds of one group, since a member there has
+    the largest share of its all-to-all off the node and a ring through there the fewest NICs."""
+    nodes = np.asarray(groups) // gpus_per_node
+    n_nodes = int(nodes.max()) + 1
+    rows = np.arange(len(nodes))[:, None]
+    counts = np.bincount((rows * n_nodes + nodes).ravel(), minlength=len(nodes) * n_nodes)
+    return Link(nodes.shape[1], int(counts[counts > 0].min()))
+
+
+def expert_links(layout: Layout, order: tuple[str, ...], gpus_per_node: int) -> tuple[Link, Link]:
+    """(ep group, expert-data-parallel group) as the trainer builds them (mesh.py `expert_groups`,
+    the same arithmetic): ep takes a pipeline stage's dp·cp ranks first and its tp ranks only
+    beyond them. An ep group larger than dp·cp is then all of the stage's dp·cp ranks at
+    ep/(dp·cp) tp positions (ep8 over dp2·cp2·tp2 with tp innermost: a stage's 8 consecutive
+    ranks, one node), not ranks tp apart; the edp group (dp·cp·tp/ep ranks holding the same
+    experts) spans tp ranks too. parallel.order moves both."""
+    if layout.ep == 1:
+        return Link(1, 1), Link(1, 1)
+    if (layout.dp * layout.cp * layout.tp) % layout.ep:
+        raise ConfigError(f"layout ep={layout.ep} must divide dp*cp*tp = "
+                          f"{layout.dp * layout.cp * layout.tp} (ep borrows its ranks from them)")
+    shard = layout.dp_shard or layout.dp
+    return _expert_links(layout.dp // shard, shard, layout.tp, layout.pp, layout.cp, layout.ep,
+                         tuple(order), gpus_per_node)
+
+
+@lru_cache(maxsize=4096)  # a search plans many layouts over the same degrees
+def _expert_links(dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int, ep: int,
+                  order: tuple[str, ...], gpus_per_node: int) -> tuple[Link, Link]:
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep, order=order)
+    ep_groups, edp_groups = dims.expert_groups()
+    return group_link(ep_groups, gpus_per_node), group_link(edp_groups, gpus_per_node)
 
 
 def nodes_spanned(link: Link) -> int:
@@ -73,14 +114,16 @@ def gather_time(nbytes: float, link: Link, hw: Hardware, efficiency: float = 1.0
 
 
 def all_to_all_time(sent_bytes: float, link: Link, hw: Hardware) -> float:
-    """An all-to-all in which each rank sends sent_bytes; across nodes the off-node share goes
-    through the rank's own NIC."""
+    """An all-to-all in which each rank sends sent_bytes, spread evenly over the other members;
+    across nodes the off-node share goes through the rank's own NIC while the share for the
+    per_node - 1 members on its node crosses NVLink at the same time."""
     if link.size <= 1 or sent_bytes <= 0:
         return 0.0
     if link.intra_node:
         return sent_bytes / hw.intra_bw + hw.intra_latency_s
     falloff = 1 + (nodes_spanned(link) - 1) / hw.fabric_nodes
-    return sent_bytes * falloff / hw.nic_bw + hw.inter_latency_s
+    off_node = sent_bytes * (link.size - link.per_node) / (link.size - 1)
+    return max(off_node * falloff / hw.nic_bw, (sent_bytes - off_node) / hw.intra_bw) + hw.inter_latency_s
 
 
 def collective_bytes_time(sent_bytes: float, link: Link, hw: Hardware) -> float:
@@ -131,7 +174,9 @@ def cp_bytes_per_layer(layout: Layout, tokens_local: float, q_dim: int, k_dim: i
 def ep_bytes_per_moe_layer(layout: Layout, tokens_local: float, dim: int, top_k: int,
                            act_bytes: int) -> float:
     """Dispatch and combine, forward and backward: four all-to-alls of top_k copies of each
-    local token."""
+    token the rank routes (tokens_local: its 1/tp slice of the micro-batch's tokens under tp,
+    parallel/tensor.py), of which the (ep-1)/ep meant for the other members leave the rank;
+    whether ep borrows tp ranks does not change that."""
     e = layout.ep
     return 0.0 if e == 1 else 4 * tokens_local * top_k * dim * act_bytes * (e - 1) / e
 

@@ -107,14 +107,17 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     # A MoE layer's MLP part routes each tp rank's own slice of the tokens: under sequence
     # parallelism that is the stream's local part (no collective); without it the rank keeps its
     # slice and all-gathers the outputs in forward and the input gradients in backward (2).
-    n_tp = 8 * n_layers - (4 if layout.sp else 2) * n_moe + 2 * prank.has_output
+    # Multi-token prediction's blocks (counted in n_layers) each embed once more and run the output
+    # projection once more, on the last stage.
+    heads = prank.has_output * (1 + stats.mtp_depth)
+    n_tp = 8 * n_layers - (4 if layout.sp else 2) * n_moe + 2 * heads
     if (runtime.activation_recipe == "fivefold" and layout.tp > 1 and layout.sp and layout.recompute == "none"
             and not workload.keep_gathered):
         # Backward gathers each gathered input again from the shard its matmuls kept
         # (parallel/sharded_inputs.py): attention's, a dense MLP's and the output layer's. (The
         # nanotron profile's constants were fitted on its runs as they are.)
-        n_tp += 2 * n_layers - n_moe + prank.has_output
-    n_stream = 2 * prank.has_embedding
+        n_tp += 2 * n_layers - n_moe + heads
+    n_stream = 2 * prank.has_embedding + 2 * prank.has_output * stats.mtp_depth
     tp_b = (n_tp * comm.tp_bytes_per_collective(layout, tokens_local, stats.dim, pr.act_bytes)
             + n_stream * comm.tp_bytes_per_collective(layout, tokens_local, stats.dim, pr.param_bytes))
     tp_t = (n_tp * comm.gather_time(tokens_local * stats.dim * pr.act_bytes, links["tp"], hw)
@@ -155,7 +158,10 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters them once and all-gathers
     the updated weights after the step; ZeRO-2 keeps only a gradient shard, so it reduce-scatters
     every micro-batch; ZeRO-3 also gathers the weights twice per micro-batch. HSDP adds an
-    all-reduce of the shard across replicas."""
+    all-reduce of the dense shard across replicas (expert weights are sharded over their whole
+    expert-data-parallel group, replicas included: parallel/zero.py, fsdp.py). Under ep the
+    experts' traffic runs on the edp group (comm.expert_links: dp·cp·tp/ep ranks, where mesh.py
+    puts them), not on the dense weights' dp·cp group."""
     pr, order, gpn = workload.precision, workload.order, hw.gpus_per_node
     eff = runtime.dp_bw_efficiency
     dims = ("dp", "cp") if abs(order.index("dp") - order.index("cp")) == 1 else ("dp",)
@@ -163,11 +169,14 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     replicas = layout.dp // (layout.dp_shard or layout.dp)
     replica_link = comm.Link(replicas, replicas if group.intra_node else 1)
     total_bytes = hidden = exposed = 0.0
-    for params, n, unit_root in ((dense, layout.shard_degree, root),
-                                 (experts, expert_shard_degree(layout), 0.0)):
+    dense_link = comm.Link(layout.shard_degree, min(group.per_node, layout.shard_degree))
+    under_ep = layout.ep > 1  # without it the experts are dense weights, reduced as they are
+    expert_link = comm.expert_links(layout, order, gpn)[1] if under_ep else dense_link
+    for params, link, unit_root, replicated in ((dense, dense_link, root, True),
+                                                (experts, expert_link, 0.0, not under_ep)):
         if params <= 0:
             continue
-        link = comm.Link(n, min(group.per_node, n))
+        n = link.size
         grads, weights = params * pr.reduce_bytes, params * pr.param_bytes
         if layout.zero == 0:
             total_bytes += 2 * (n - 1) / n * grads
@@ -191,7 +200,7 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
             total_bytes += (n - 1) / n * (grads + m * (weights + regathered))
             hidden += m * (comm.gather_time(grads, link, hw, eff)
                            + (1 if layout.split_backward else 2) * comm.gather_time(weights, link, hw, eff))
-        if replicas > 1 and layout.zero > 0:
+        if replicas > 1 and layout.zero > 0 and replicated:
             total_bytes += 2 * (replicas - 1) / replicas * grads / n
             hidden += comm.all_reduce_time(grads / n, replica_link, hw, eff)
     return total_bytes, hidden, exposed
@@ -204,7 +213,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     order, gpn = workload.order, hw.gpus_per_node
     m = layout.micro_batches(workload.global_batch)
     links = {d: comm.placement(layout, order, (d,), gpn) for d in ("tp", "cp", "pp")}
-    links["ep"] = comm.Link(layout.ep, min(layout.ep, max(1, gpn // layout.tp)))
+    links["ep"] = comm.expert_links(layout, order, gpn)[0]
 
     ranks = pipeline_ranks(stats, layout, workload.seq_len)
     t_mb, worst, per_mb_bytes = 0.0, None, {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
@@ -250,8 +259,10 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     moe_partial = stats.router_params + stats.shared_expert_params
     if layout.ep == 1:
         moe_partial += stats.n_experts * stats.expert_params
-    latent = (max(len(p.layers) * stats.latent_params + p.moe_layers * moe_partial for p in ranks)
-              * pr.grad_bytes * (layout.tp > 1))
+    # Multi-token prediction's eh_proj, whole on every tp rank, sees this rank's tokens under sp.
+    mtp_partial = 2 * stats.dim * stats.dim * stats.mtp_depth if layout.sp else 0
+    latent = (max(len(p.layers) * stats.latent_params + p.moe_layers * moe_partial + p.has_output * mtp_partial
+                  for p in ranks) * pr.grad_bytes * (layout.tp > 1))
     latent_b = 2 * (layout.tp - 1) / layout.tp * latent
     latent_t = comm.all_reduce_time(latent, links["tp"], hw)
 

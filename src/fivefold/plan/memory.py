@@ -98,6 +98,8 @@ def layer_param_counts(stats: ModelStats, layout: Layout, layer: int) -> tuple[f
     down-projections and their norms."""
     t = layout.tp
     dense = (stats.attention_params - stats.latent_params) / t + stats.latent_params + stats.norm_params
+    if layer >= stats.n_layers:  # multi-token prediction: eh_proj and three norms, whole on every tp rank
+        dense += 2 * stats.dim * stats.dim + 3 * stats.dim
     if not stats.is_moe(layer):
         return dense + stats.dense_mlp_params / t, 0.0
     dense += stats.router_params + stats.shared_expert_params
@@ -115,13 +117,16 @@ def rank_param_counts(stats: ModelStats, layout: Layout, prank: PipelineRank) ->
 
 
 def root_params(stats: ModelStats, layout: Layout, prank: PipelineRank) -> float:
-    """Parameters outside the transformer blocks on this rank: embedding, final norm, output."""
+    """Parameters outside the transformer blocks on this rank: embedding, final norm, output (and
+    multi-token prediction's copy of the embedding on a last stage without the first)."""
     table = stats.vocab_size * stats.dim / layout.tp  # vocab-parallel embedding / output projection
     root = table if prank.has_embedding else 0.0
     if prank.has_output:
         root += stats.dim  # final norm
         # A tied output projection shares the embedding's storage only on the rank holding both.
         if not (stats.tie_embeddings and prank.has_embedding):
+            root += table
+        if stats.mtp_depth and not prank.has_embedding and not stats.tie_embeddings:
             root += table
     return root
 
@@ -316,6 +321,21 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
     return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0
 
 
+def mtp_block_bytes(workload: Workload, layout: Layout, head_norm: float) -> float:
+    """Per token, what one multi-token-prediction block keeps beyond a layer of its kind (counted
+    with the layers) and its logits (counted with the output's). Without recomputation: its input
+    norms (the embedding's input and x·rstd, the stream's x·rstd: the stream itself is the final
+    norm's input), eh_proj's input (both halves) and the head norm as the final norm keeps it
+    (`head_norm`). Recomputed, the block's checkpoint keeps the embedding, which the layer's own
+    count (its input) stands for, its other input being the final norm's; and the output layer
+    keeps its input."""
+    stats, pr = workload.stats, workload.precision
+    s = layout.tp if (layout.tp > 1 and layout.sp) else 1
+    if layout.recompute == "none":
+        return (3 * stats.dim * pr.param_bytes + 2 * stats.dim * pr.act_bytes + 8) / s + head_norm
+    return stats.dim * pr.act_bytes
+
+
 def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, rank: int,
                      micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
     """(saved activations at the peak, transient working memory) of one pipeline rank: each chunk
@@ -346,6 +366,11 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
     if prank.has_output:
         last = counts[-1]  # the last stage is the rank's last chunk
         norm, logits, logits_grad = output_bytes(workload, layout, runtime)
+        # Multi-token prediction's blocks each end in the shared output layer and a loss of their own.
+        depth = workload.stats.mtp_depth
+        if depth:
+            norm += depth * mtp_block_bytes(workload, layout, norm)
+            logits *= 1 + depth
         # Each in-flight micro-batch's final norm and loss graph; a split backward's input pass
         # (run right after the last stage's forward) frees the graph above the output layer's
         # weight, the log-softmax with it: only the newest micro-batch's is held.

@@ -32,7 +32,8 @@ class PipelineRank:
     layers: tuple[int, ...]  # transformer layers this rank holds (all its chunks)
     has_embedding: bool
     has_output: bool  # final norm + output projection + loss
-    # (a representative layer, how many) for each kind of layer (dense, MoE) the rank holds:
+    # (a representative layer, how many) for each kind of layer (dense, MoE, multi-token
+    # prediction) the rank holds:
     # layers of a kind are identical, so per-layer quantities are computed once per kind.
     kinds: tuple[tuple[int, int], ...] = ()
     moe_layers: int = 0
@@ -44,10 +45,13 @@ class PipelineRank:
 
 def _rank(stats: ModelStats, layers: tuple[int, ...], first: bool, last: bool,
           chunks: tuple[tuple[int, ...], ...] = (), sends: tuple[bool, ...] = ()) -> PipelineRank:
-    moe = [i for i in layers if stats.is_moe(i)]
-    dense = [i for i in layers if not stats.is_moe(i)]
-    kinds = tuple((group[0], len(group)) for group in (dense, moe) if group)
-    return PipelineRank(layers, first, last, kinds, len(moe), chunks or (layers,), sends or (False,))
+    main = [i for i in layers if i < stats.n_layers]
+    moe = [i for i in main if stats.is_moe(i)]
+    dense = [i for i in main if not stats.is_moe(i)]
+    mtp = [i for i in layers if i >= stats.n_layers]  # multi-token prediction's blocks: a kind of their own
+    kinds = tuple((group[0], len(group)) for group in (dense, moe, mtp) if group)
+    n_moe = sum(stats.is_moe(i) for i in layers)
+    return PipelineRank(layers, first, last, kinds, n_moe, chunks or (layers,), sends or (False,))
 
 
 @lru_cache(maxsize=4096)
@@ -74,19 +78,21 @@ def pipeline_ranks(stats: ModelStats, layout: Layout, seq_len: int) -> list[Pipe
 @lru_cache(maxsize=1024)
 def _pipeline_ranks(stats: ModelStats, p: int, v: int, v_shaped: bool, pp_layers: str,
                     seq_len: int) -> tuple[PipelineRank, ...]:
+    mtp = tuple(stats.mtp_layers)  # multi-token prediction: after the last layer, on the last stage
     if p == 1:
-        return (_rank(stats, tuple(range(stats.n_layers)), True, True),)
+        return (_rank(stats, tuple(range(stats.n_layers)) + mtp, True, True),)
     n_chunks = p * v
     if pp_layers:
         sizes = parse_pp_layers(pp_layers, n_chunks, stats.n_layers)
     else:
         costs = tuple(stats.layer_flops_per_token(i, seq_len) for i in range(stats.n_layers))
         # The trainer's own split (same costs, same algorithm): predictions hold what runs.
-        sizes = tuple(balanced_layer_counts(list(costs), stats.output_flops_per_token, n_chunks))
+        sizes = tuple(balanced_layer_counts(list(costs), stats.head_flops_per_token(seq_len), n_chunks))
     bounds, start = [], 0
     for size in sizes:
         bounds.append(tuple(range(start, start + size)))
         start += size
+    bounds[-1] += mtp
     if v_shaped:
         owner = [c if c < p else 2 * p - 1 - c for c in range(n_chunks)]
     else:

@@ -93,7 +93,7 @@ def memory_reason(est_or_memory, limit: float) -> str:
 
 # --------------------------------------------------------------------------------- enumeration
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -105,28 +105,41 @@ def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
     return out
 
 
-def degree_choices(cfg: Config, workload: Workload, gpus: int, gpus_per_node: int):
+def field_options(key: str, fixed: dict, searched) -> list:
+    """The search's options for a Layout field, or the one value `fixed` holds for it."""
+    return [fixed[key]] if key in fixed else list(searched)
+
+
+def degree_choices(cfg: Config, workload: Workload, gpus: int, gpus_per_node: int, fixed: dict | None = None):
     """(dp, tp, pp, cp, ep) tuples whose product fits the cluster. tp stays inside a node (the
-    Playbook's runs show tensor parallelism across nodes never pays)."""
+    Playbook's runs show tensor parallelism across nodes never pays).
+
+    A degree in `fixed` (Layout field -> value: the keys a user gave, plan/auto.py) keeps its
+    value instead of taking the search's options; only the product has to fit, the rest of the
+    search's pruning is left to the validator."""
+    fixed = fixed or {}
     m, stats = cfg.model, workload.stats
     head_gcd = math.gcd(math.gcd(m.n_heads, m.n_kv_heads), math.gcd(m.ffn_dim, m.vocab_size))
-    for tp in _divisors(min(gpus_per_node, gpus)):
-        if head_gcd % tp or gpus % tp:
+    tps = [d for d in divisors(min(gpus_per_node, gpus)) if head_gcd % d == 0]
+    for tp in field_options("tp", fixed, tps):
+        if gpus % tp:
             continue
-        cps = [c for c in _powers_of_two_dividing(gpus // tp, 16)
-               if c == 1 or workload.seq_len // c >= 4096]
-        for cp in cps:
-            for pp in _divisors(gpus // (tp * cp)):
-                if pp > stats.n_layers:
+        cps = [c for c in _powers_of_two_dividing(gpus // tp, 16) if c == 1 or workload.seq_len // c >= 4096]
+        for cp in field_options("cp", fixed, cps):
+            if (gpus // tp) % cp:
+                continue
+            pps = [p for p in divisors(gpus // (tp * cp)) if p <= stats.n_layers]
+            for pp in field_options("pp", fixed, pps):
+                if (gpus // (tp * cp)) % pp:
                     continue
                 dp = gpus // (tp * cp * pp)
-                if workload.global_batch % dp:
+                if fixed.get("dp", dp) != dp or workload.global_batch % dp:
                     continue
-                eps = [1]
-                if stats.n_experts:
-                    eps = [e for e in _divisors(stats.n_experts) if (dp * cp) % e == 0]
-                for ep in eps:
-                    yield dp, tp, pp, cp, ep
+                # ep borrows its ranks from dp*cp, and beyond them from tp (mesh.py expert_groups).
+                eps = [e for e in divisors(stats.n_experts) if (dp * cp * tp) % e == 0] if stats.n_experts else [1]
+                for ep in field_options("ep", fixed, eps):
+                    if (dp * cp * tp) % ep == 0:
+                        yield dp, tp, pp, cp, ep
 
 
 def without_ignored(layout: Layout) -> Layout:
@@ -136,21 +149,39 @@ def without_ignored(layout: Layout) -> Layout:
     return dataclasses.replace(layout, **{k: getattr(defaults, k) for k in ignored_options(layout)})
 
 
-def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node: int):
-    """Groups of layouts that differ only in ZeRO stage and recomputation."""
-    for dp, tp, pp, cp, ep in degree_choices(cfg, workload, gpus, gpus_per_node):
+def _schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
+    """(pp_schedule, pp_virtual) pairs to try: two stages per rank for the schedules that need
+    them (fivefold.validate's rule; one for parallel/pipeline_split.py's SINGLE_STAGE_SCHEDULES),
+    unless pp_virtual is fixed."""
+    if pp == 1:
+        return [(fixed.get("pp_schedule", "1f1b"), fixed.get("pp_virtual", 1))]
+    return [(s, fixed.get("pp_virtual", 1 if s in ("1f1b", "gpipe") else 2))
+            for s in field_options("pp_schedule", fixed, SEARCH_SCHEDULES)]
+
+
+def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node: int,
+                      fixed: dict | None = None, base: Layout | None = None):
+    """Groups of layouts that differ only in ZeRO stage and recomputation, fastest recomputation
+    first.
+
+    A Layout field in `fixed` keeps that value instead of taking the search's options (mbs 0: the
+    whole per-rank batch, as train.micro_batch). `base` gives the fields the search does not
+    choose (dp_shard, cp_method, pp_layers; sp where tp > 1); by default parallel.cp_method and
+    sequence parallelism."""
+    fixed = fixed or {}
+    base = base or Layout(cp_method=cfg.parallel.cp_method)
+    for dp, tp, pp, cp, ep in degree_choices(cfg, workload, gpus, gpus_per_node, fixed):
         per_rank = workload.global_batch // dp
-        # Two stages per rank for the schedules that need them (fivefold.validate's rule).
-        schedules = [("1f1b", 1)] if pp == 1 else [
-            (s, 1 if s == "1f1b" else 2) for s in SEARCH_SCHEDULES]
-        for mbs in _powers_of_two_dividing(per_rank, 8):
-            for sched, virtual in schedules:
-                base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, pp_schedule=sched,
-                              pp_virtual=virtual, sp=tp > 1, cp_method=cfg.parallel.cp_method)
+        mbss = [fixed["mbs"] or per_rank] if "mbs" in fixed else _powers_of_two_dividing(per_rank, 8)
+        for mbs in mbss:
+            for sched, virtual in _schedules(pp, fixed):
+                one = dataclasses.replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, pp_schedule=sched,
+                                          pp_virtual=virtual, sp=base.sp and tp > 1)
                 # One of each set of twins: ZeRO stages that change nothing (dp·cp = 1) are one layout.
-                zeros = sorted({without_ignored(dataclasses.replace(base, zero=z)).zero for z in (0, 1, 2, 3)})
-                yield [[dataclasses.replace(base, zero=z, recompute=r) for z in zeros]
-                       for r in RECOMPUTE_ORDER]
+                distinct = {without_ignored(dataclasses.replace(one, zero=z)).zero for z in (0, 1, 2, 3)}
+                zeros = field_options("zero", fixed, sorted(distinct))
+                yield [[dataclasses.replace(one, zero=z, recompute=r) for z in zeros]
+                       for r in field_options("recompute", fixed, RECOMPUTE_ORDER)]
 
 
 # -------------------------------------------------------------------------------------- search

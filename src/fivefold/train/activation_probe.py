@@ -82,7 +82,7 @@ def forward_kept_bytes(par, batch: torch.Tensor, autocast) -> int:
     existing |= parameters
     mode = _Created(existing, parameters)
     with mode, autocast():
-        loss = par.loss(par.model(inputs, positions), labels)
+        loss = par.forward_loss(inputs, labels, positions)
     kept = mode.kept_bytes()
     del loss, mode  # frees the graph: nothing is trained
     return kept

@@ -47,7 +47,7 @@ MARKER = ".fivefold-checkpoint"  # in every folder fivefold writes; nothing with
 # bounds train.seq_len, and the MoE balancing rates are training hyperparameters (like train.*:
 # the new value wins, with the warning).
 NOT_COMPARED = ("preset", "init_from", "max_seq_len")
-TRAINING_KEYS = ("moe.aux_loss_coeff", "moe.bias_update_rate")
+TRAINING_KEYS = ("moe.aux_loss_coeff", "moe.bias_update_rate", "mtp_loss_weight")
 
 
 def checkpoint_root(cfg: Config) -> Path | None:

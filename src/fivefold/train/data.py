@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fivefold.config import ConfigError, DataConfig
-from fivefold.validate import check_documents
+from fivefold.validate_data import check_documents
 from fivefold.models.documents import document_positions
 from fivefold.parallel.context import DocumentWindows
 from fivefold.train.mixture import GlobalBatches, parse_mix

@@ -155,6 +155,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
             "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
             **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
             **par.router_metrics,  # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops
+            **par.mtp_metrics,  # multi-token prediction: mtp_loss (not in `loss`)
         }
         bubble = par.bubble_fraction(step_time)
         if bubble is not None:

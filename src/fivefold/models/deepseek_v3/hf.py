@@ -6,8 +6,14 @@ balancing state), read and written like a weight. Experts are saved one matrix p
 Qwen3-MoE. RoPE rows load unpermuted: our attention rotates the interleaved channel pairs.
 
 Keys a file leaves out mean what DeepseekV3Config says (its defaults are the 671B model's).
-Layers past num_hidden_layers in a file are DeepSeek's multi-token-prediction modules, which
-transformers drops on load; so do we (fivefold has no multi-token prediction yet).
+
+Multi-token prediction: DeepSeek's files hold its blocks as layers num_hidden_layers and up
+(`num_nextn_predict_layers` of them), each with enorm, hnorm, eh_proj, shared_head.norm and copies
+of the embedding and output matrices (embed_tokens, shared_head.head), which our blocks share with
+the main model: we read the blocks and write all of it, copies included. transformers' class drops
+those layers on load. A folder whose config.json counts such layers but whose weights hold none
+(transformers writes none, and its config's default is 1) loads without multi-token prediction,
+with a warning, as transformers loads it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from fivefold.models.llama.hf import DENSE_MLP_NAMES
 DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
                 first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
                 q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                rope_interleave=True, num_key_value_heads=128, max_position_embeddings=4096)
+                rope_interleave=True, num_key_value_heads=128, max_position_embeddings=4096,
+                num_nextn_predict_layers=1)
 
 _ATTN = "model.layers.{layer}.self_attn"
 _MLP = "model.layers.{layer}.mlp"
@@ -43,7 +50,12 @@ NAMES = [
     (f"{_MLP}.shared_experts.gate_proj.weight", "layers.{layer}.feed_forward.shared.w1.weight"),
     (f"{_MLP}.shared_experts.down_proj.weight", "layers.{layer}.feed_forward.shared.w2.weight"),
     (f"{_MLP}.shared_experts.up_proj.weight", "layers.{layer}.feed_forward.shared.w3.weight"),
+    # multi-token prediction's blocks (models/mtp.py)
+    *[(f"model.layers.{{layer}}.{m}.weight", f"layers.{{layer}}.{m}.weight") for m in ("enorm", "hnorm", "eh_proj")],
+    ("model.layers.{layer}.shared_head.norm.weight", "layers.{layer}.head_norm.weight"),
 ]
+# What each multi-token-prediction layer of DeepSeek's files repeats of the main model's matrices.
+MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 EXPERTS = [(f"{_MLP}.experts.{{expert}}.gate_proj.weight", "layers.{layer}.feed_forward.experts.w1"),
            (f"{_MLP}.experts.{{expert}}.down_proj.weight", "layers.{layer}.feed_forward.experts.w2"),
            (f"{_MLP}.experts.{{expert}}.up_proj.weight", "layers.{layer}.feed_forward.experts.w3")]
@@ -51,9 +63,31 @@ EXPERTS = [(f"{_MLP}.experts.{{expert}}.gate_proj.weight", "layers.{layer}.feed_
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def multi_token_prediction_layer(name: str, cfg: ModelConfig) -> bool:
+def dropped_on_read(name: str, cfg: ModelConfig) -> bool:
+    """Multi-token-prediction layers past model.mtp_depth, and the main matrices' copies in those we read."""
     match = _LAYER.match(name)
-    return match is not None and int(match.group(1)) >= cfg.n_layers
+    if match is None or int(match.group(1)) < cfg.n_layers:
+        return False
+    return int(match.group(1)) >= cfg.n_layers + cfg.mtp_depth or name[match.end():] in MTP_COPIES
+
+
+def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+    """Hugging Face name -> ours of the main matrices' copies each multi-token-prediction layer holds."""
+    return {f"model.layers.{layer}.{theirs}": ours for layer in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth)
+            for theirs, ours in MTP_COPIES.items()}
+
+
+def fit_to_files(cfg: ModelConfig, names: set[str]) -> ModelConfig:
+    """Without multi-token prediction when the files hold none of its layers (see the module doc)."""
+    if cfg.mtp_depth and not any(n.startswith(f"model.layers.{cfg.n_layers}.") for n in names):
+        import dataclasses
+        import warnings
+
+        warnings.warn(f"config.json has num_nextn_predict_layers={cfg.mtp_depth} but the weights hold no "
+                      f"multi-token-prediction layer (model.layers.{cfg.n_layers}.*): loading without it "
+                      "(model.mtp_depth = 0), as transformers does", stacklevel=2)
+        return dataclasses.replace(cfg, mtp_depth=0)
+    return cfg
 
 
 def _with_defaults(hf: dict) -> dict:
@@ -132,7 +166,11 @@ def read_config(hf: dict) -> ModelConfig:
                     first_dense=first_dense, expert_ffn_dim=hf["moe_intermediate_size"], score="sigmoid",
                     balance="bias", norm_topk_prob=bool(hf["norm_topk_prob"]), n_group=n_group, topk_group=topk_group,
                     routed_scaling_factor=float(hf["routed_scaling_factor"]))
-    return ModelConfig(family="deepseek_v3", moe=moe, q_lora_rank=q_rank or 0, kv_lora_rank=hf["kv_lora_rank"],
+    mtp_depth = hf["num_nextn_predict_layers"]
+    if not isinstance(mtp_depth, int) or isinstance(mtp_depth, bool) or mtp_depth < 0:
+        refuse(f"has num_nextn_predict_layers={mtp_depth!r}; it must be a whole number >= 0")
+    return ModelConfig(family="deepseek_v3", moe=moe, mtp_depth=mtp_depth, q_lora_rank=q_rank or 0,
+                       kv_lora_rank=hf["kv_lora_rank"],
                        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                        v_head_dim=hf["v_head_dim"], **keys, **yarn)
 
@@ -162,9 +200,10 @@ def write_config(cfg: ModelConfig, dtype) -> dict:
                num_experts_per_tok=m.top_k, n_shared_experts=m.n_shared_experts,
                moe_intermediate_size=m.expert_ffn_dim or cfg.ffn_dim, first_k_dense_replace=m.first_dense,
                n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
-               norm_topk_prob=m.norm_topk_prob and m.top_k > 1, num_nextn_predict_layers=0)
+               norm_topk_prob=m.norm_topk_prob and m.top_k > 1, num_nextn_predict_layers=cfg.mtp_depth)
     return out
 
 
 ADAPTER = HFAdapter(model_type="deepseek_v3", names=NAMES, experts=EXPERTS, read_config=read_config,
-                    write_config=write_config, ours_only=NOTHING, dropped_by_hf=multi_token_prediction_layer)
+                    write_config=write_config, ours_only=NOTHING, dropped_by_hf=dropped_on_read,
+                    hf_copies=mtp_copies, fit_to_files=fit_to_files)

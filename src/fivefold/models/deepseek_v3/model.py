@@ -30,6 +30,7 @@ from fivefold.models.deepseek_v3.rope import (
     softmax_scale_factor,
 )
 from fivefold.models.init import Fill, seeded_normal
+from fivefold.models.mtp import AttachScaledLoss, MTPLayer, depth_loss
 
 # transformers' DeepseekV3Attention builds its latent norms with RMSNorm's default eps, whatever
 # rms_norm_eps says (so do DeepSeek's own modeling files).
@@ -85,11 +86,32 @@ class LatentAttention(nn.Module):
 
 
 class DeepseekV3Transformer(Transformer):
-    """tokens (batch, seq) -> logits; the decoder's skeleton with latent attention and DeepSeek RoPE."""
+    """tokens (batch, seq) -> logits; the decoder's skeleton with latent attention and DeepSeek RoPE,
+    and `mtp_depth` multi-token-prediction blocks (models/mtp.py) as layers n_layers, n_layers+1...
+    They embed with `mtp_embeddings`, the embedding matrix itself (tied: a pipeline's last stage
+    holds its own copy, as it does of a tied output layer)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, attention=LatentAttention)
         self.rope_factor = rope_attention_factor(cfg)
+        self.mtp_embeddings = None
+        if cfg.mtp_depth:
+            from fivefold.models.moe import moe_feed_forward
+
+            for index in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
+                self.layers[str(index)] = MTPLayer(cfg, moe_feed_forward(cfg, index), LatentAttention(cfg))
+            self.mtp_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.mtp_embeddings.weight = self.tok_embeddings.weight
+
+    def multi_token_prediction(self, logits, h, future, cos, sin, documents) -> torch.Tensor:
+        depth = self.cfg.mtp_depth
+        for k in range(1, depth + 1):
+            layer = self.layers[str(self.cfg.n_layers + k - 1)]
+            h, normed = layer(h, self.mtp_embeddings(future[..., k - 1].clamp(min=0)), cos, sin, documents)
+            loss = depth_loss(self.output(normed), future[..., k])
+            layer.record(loss)
+            logits = AttachScaledLoss.apply(logits, loss, self.cfg.mtp_loss_weight / depth * layer.aux_grad_scale)
+        return logits
 
     def rope_frequencies(self) -> torch.Tensor:
         return rope_frequencies(self.cfg)

@@ -4,6 +4,11 @@ Tensor parallelism splits the heads: q_b_proj (or q_proj) and kv_b_proj by outpu
 rows are contiguous), o_proj by its input. The latent down-projections and their norms are small
 (d x 2k) and run whole on every tp rank on the gathered sequence; since each rank's heads use only
 part of what they produce (and the shared RoPE key), their gradients are partial sums over tp.
+
+Multi-token prediction's blocks (models/mtp.py; layers n_layers and up) are laid out as the other
+layers, their extra norms as stream norms and eh_proj whole on every tp rank, on the stream (so under
+sequence parallelism it sees this rank's tokens and its gradient is a partial sum). They embed with
+`mtp_embeddings`, a tied copy of the embedding matrix split as the embedding is.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ def block_plan(cfg: ModelConfig, index: int) -> dict[str, str]:
                  "attention.kv_a_layernorm": TP.PARTIAL_NORM,
                  "attention.kv_b_proj": TP.COLUMN,
                  "attention.o_proj": TP.ROW_TO_SEQUENCE})
+    if index >= cfg.n_layers:  # a multi-token-prediction block
+        plan.update({"enorm": TP.STREAM_NORM, "hnorm": TP.STREAM_NORM, "head_norm": TP.STREAM_NORM,
+                     "eh_proj": TP.STREAM_LINEAR})
     if cfg.q_lora_rank:
         plan.update({"attention.q_a_proj": TP.REPLICATED_PARTIAL, "attention.q_a_layernorm": TP.PARTIAL_NORM,
                      "attention.q_b_proj": TP.COLUMN})
@@ -44,7 +52,15 @@ def build(cfg: ModelConfig) -> torch.nn.Module:
     return DeepseekV3Transformer(cfg)
 
 
+def tied(cfg: ModelConfig) -> dict[str, str]:
+    pairs = decoder_tied(cfg)
+    if cfg.mtp_depth:
+        pairs["mtp_embeddings.weight"] = "tok_embeddings.weight"
+    return pairs
+
+
 SPEC = ModelSpec(
-    name="deepseek_v3", build=build, initial_values=initial_values, block_plan=block_plan, root_plan=ROOT_PLAN,
-    attention_core="attention.core", first_stage=("tok_embeddings",), last_stage=("norm", "output"),
-    tied=decoder_tied, hf=ADAPTER, check=check)
+    name="deepseek_v3", build=build, initial_values=initial_values, block_plan=block_plan,
+    root_plan={**ROOT_PLAN, "mtp_embeddings": TP.VOCAB_EMBEDDING}, attention_core="attention.core",
+    first_stage=("tok_embeddings",), last_stage=("norm", "output", "mtp_embeddings"), tied=tied, hf=ADAPTER,
+    check=check, multi_token_prediction=True)
