@@ -142,7 +142,8 @@ def document_source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sixteen_rank_results(document_source):
-    return run_on_ranks(16, _sixteen, [*FULL, BF16, with_documents(DOCUMENTS, document_source)])
+    # 16 ranks on a 2-core machine: several minutes; the timeout only guards against a hang.
+    return run_on_ranks(16, _sixteen, [*FULL, BF16, with_documents(DOCUMENTS, document_source)], timeout_s=1200)
 
 
 def weight_atol(l: dict) -> float:

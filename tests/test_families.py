@@ -4,8 +4,9 @@ same family.
 qwen3 (per-head q/k RMSNorm; head_dim 48 while dim/n_heads is 16, so the attention is wider than the
 stream; untied), qwen3_moe (the same attention, 8 fine-grained experts, layer 0 dense by list) and
 deepseek_v3 (Multi-head Latent Attention: low-rank q and kv, a RoPE key shared by the heads, V's head
-dim 16 against q/k's 24; 8 experts in 2 groups, a shared expert, bias balancing, routed scaling)
-under dp2 at zero 0/1/3, tp2 with and without sequence parallelism (the gradients of the q/k norms
+dim 16 against q/k's 24; 8 experts in 2 groups, a shared expert, bias balancing, routed scaling,
+and a multi-token-prediction block whose loss is compared per step too; also tied to the embedding
+under pp2 and tp2) under dp2 at zero 0/1/3, tp2 with and without sequence parallelism (the gradients of the q/k norms
 and of MLA's latent projections are partial sums over the heads of each tp rank), pp2 (1f1b and
 zbv), cp2 ring / all-gather / Ulysses, and ep2 for the MoE families, all in one group of 2 ranks.
 Then checkpoints reshard: a dp2·zero1 run saves at step 3, runs under tp2, pp2, zero 3 and (MoE)
@@ -48,9 +49,18 @@ MOE_ONLY = {
 }
 
 
+# Multi-token prediction with tied embeddings: the last stage's matrix serves the output layer and
+# the MTP block's embedding and head, its copy on the first stage the embedding.
+TIED_MTP = {"pp2 1f1b tied": {"pp": 2, "pp_schedule": "1f1b"}, "tp2 tied": {"tp": 2}}
+
+
 def layouts_of(family: str) -> dict[str, dict]:
     dims = {**DIMENSIONS, **(MOE_ONLY if family in MOE_FAMILIES else {})}
-    return {name: {"model": FAMILIES[family], "parallel": parallel, "train": TRAIN} for name, parallel in dims.items()}
+    out = {name: {"model": FAMILIES[family], "parallel": parallel, "train": TRAIN} for name, parallel in dims.items()}
+    if family == "deepseek_v3":
+        out.update({name: {"model": {**FAMILIES[family], "tie_embeddings": True}, "parallel": parallel, "train": TRAIN}
+                    for name, parallel in TIED_MTP.items()})
+    return out
 
 
 CASES = [(family, name) for family in FAMILIES for name in layouts_of(family)]

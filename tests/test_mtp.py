@@ -83,3 +83,15 @@ def test_mtp_needs_a_family_with_it():
     validate(cfg)
     with pytest.raises(ConfigError, match="model.mtp_depth=1 needs a family with multi-token prediction"):
         check_supported(cfg)
+
+
+def test_tied_embeddings_refuse_split_backward_schedules():
+    """The last stage reads the tied matrix three times; torch's split weight pass fails on it
+    (measured: pp2 zb and zbv stop with 'backward through the graph a second time')."""
+    tied = {"preset": "tiny-deepseek-v3", "n_kv_heads": 4, "tie_embeddings": True}
+    for schedule in ("zb", "zbv", "dualpipev"):
+        cfg = load_config(None, {"model": tied, "parallel": {"pp": 2, "pp_schedule": schedule, "pp_virtual": 2},
+                                 "train": {"micro_batch": 1}})
+        with pytest.raises(ConfigError, match=f"pp_schedule='{schedule}' cannot run multi-token prediction"):
+            validate(cfg, 2)
+    validate(load_config(None, {"model": tied, "parallel": {"pp": 2}, "train": {"micro_batch": 1}}), 2)  # 1f1b runs

@@ -101,3 +101,22 @@ def test_every_prediction_carries_its_uncertainty_band():
     band = est.to_json()["tokens_per_sec_band"]
     assert (band["median_rel_error"], band["p90_rel_error"]) == FIVEFOLD_EAGER.tokens_per_sec_error
     assert band["p90_low"] < est.tokens_per_sec_per_gpu < band["p90_high"]
+
+
+
+def test_a_compiled_run_is_planned_with_the_compiled_profile():
+    """train.compile picks the profile calibrated on compiled runs (Inductor fuses elementwise
+    chains): plan_layout, the CLI's evaluation and the search all see it."""
+    from fivefold.config import load_config
+    from fivefold.plan import estimate, plan_layout, workload_from_config
+    from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER, hardware_for
+    from fivefold.plan.layout import layout_from_config
+
+    eager = load_config("llama3-8b", [])
+    compiled = load_config("llama3-8b", ["--train.compile", "true"])
+    hw, layout = hardware_for("h100"), layout_from_config(eager)
+    want = estimate(workload_from_config(compiled), layout, hw, FIVEFOLD_COMPILED)
+    assert plan_layout(compiled, layout).tokens_per_sec_per_gpu == want.tokens_per_sec_per_gpu
+    assert plan_layout(eager, layout).tokens_per_sec_per_gpu == estimate(
+        workload_from_config(eager), layout, hw, FIVEFOLD_EAGER).tokens_per_sec_per_gpu
+    assert want.tokens_per_sec_per_gpu > plan_layout(eager, layout).tokens_per_sec_per_gpu

@@ -122,6 +122,10 @@ class ParallelConfig:
     cp: int = checked(1, gt=0)
     cp_method: str = checked("ring", choices=CP_METHODS)
     ep: int = checked(1, gt=0)
+    # Hot-expert replicas (parallel/expert_replicas.py): copies of the most loaded experts on the least
+    # loaded ep ranks, re-planned from the measured load; derived state, never saved.
+    ep_replicas: int = checked(0, ge=0, note="0 = off")  # replica slots per ep rank per MoE layer; 0 = off
+    ep_rebalance_every: int = checked(100, gt=0)  # optimizer steps between replica re-plans
     order: str = "pp,dp,cp,tp"  # outermost to innermost
     timeout_s: float = checked(300.0, gt=0, le=1e9)  # every collective; a lost rank becomes an error, not a hang
     backend: str = checked("auto", choices=BACKENDS)  # auto | nccl | gloo | cpu:gloo,cuda:nccl (auto: the last on CUDA, gloo on CPU)

@@ -172,6 +172,18 @@ def _check_parallel(cfg: Config, world_size: int | None) -> None:
         if world_size is not None:  # a launch: the degrees are final (`config show` may set ep alone)
             # ep borrows its ranks from dp·cp, and may borrow tp.
             _divides("parallel.ep", p.ep, "parallel.dp*cp*tp", p.dp * p.cp * p.tp)
+    if p.ep_replicas > 0:  # hot-expert replicas (parallel/expert_replicas.py)
+        _require(p.ep > 1, f"parallel.ep_replicas={p.ep_replicas} copies experts between expert-parallel "
+                 "ranks and needs parallel.ep > 1; set parallel.ep or parallel.ep_replicas=0")
+        _require(p.zero != 3, f"parallel.ep_replicas={p.ep_replicas} copies whole experts after each "
+                 f"step, which parallel.zero={p.zero} shards; use parallel.zero 0, 1 or 2, or parallel.ep_replicas=0")
+        from fivefold.plan.layout import SPLIT_BACKWARD_SCHEDULES
+
+        # Replica gradients travel to their owners inside backward; a split weight pass is not tested.
+        _require(not (p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES),
+                 f"parallel.ep_replicas={p.ep_replicas} is not available with parallel.pp_schedule="
+                 f"'{p.pp_schedule}' (its split weight pass); use '1f1b' or 'interleaved_1f1b', or "
+                 "parallel.ep_replicas=0")
     if m.moe.n_experts > 0 and p.tp > 1:
         # MoE layers route a 1/tp slice of each rank's sequence on each tp rank (parallel/tensor.py);
         # with sequence parallelism that is the stream's own split, checked above.
@@ -220,6 +232,12 @@ def _check_pipeline(cfg: Config) -> None:
              f"parallel.pp_schedule='{name}' splits each backward into an input and a weight pass, which "
              "PyTorch's selective recomputation cannot run twice over one block; use train.recompute = "
              "'full' or 'none' with it, or pp_schedule '1f1b' or 'interleaved_1f1b' with 'selective'")
+    # The last stage then reads the one matrix three times (output layer, MTP embedding and head),
+    # and torch's weight pass fails on it ("backward through the graph a second time").
+    _require(not (name in SPLIT_BACKWARD_SCHEDULES and m.mtp_depth and m.tie_embeddings),
+             f"parallel.pp_schedule='{name}' cannot run multi-token prediction (model.mtp_depth={m.mtp_depth}) "
+             "with tied embeddings: PyTorch's split weight pass fails on the matrix the last stage reads "
+             "three times; set model.tie_embeddings = false, or use pp_schedule '1f1b' or 'interleaved_1f1b'")
     n_stages = p.pp * v
     _require(n_stages <= m.n_layers, f"parallel.pp*pp_virtual = {n_stages} stages exceed model.n_layers="
              f"{m.n_layers}; every stage needs at least one layer")

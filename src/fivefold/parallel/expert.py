@@ -18,6 +18,10 @@ Under tensor parallelism each tp rank routes its own slice of the tokens (parall
 the ep group may borrow tp ranks (mesh.py `expert_groups`): a tp rank is then one more rank
 sending its tokens to the experts, and the dispatch below does not change.
 
+With `parallel.ep_replicas`, a rank also computes, in replica slots, some rows of experts other
+ranks own (parallel/expert_replicas.py): each destination rank's columns are then its own experts
+and its slots, and the rows are laid out by column before the dispatch and put back after it.
+
 Expert tensors are found through the shared MoE block (models/moe.py), whatever the family: every
 parameter of an `MoE.experts` module is stacked (experts, ...) along dim 0.
 """
@@ -32,6 +36,7 @@ from fivefold.models.moe import MoE, is_expert_param, moe_layers
 from torch.distributed.tensor import DTensor
 
 from fivefold.parallel.collectives import all_reduce_scalars
+from fivefold.parallel.expert_replicas import ReplicaSlots, rank_loads
 from fivefold.parallel.tensor import SLICE_GROUP
 
 
@@ -58,27 +63,48 @@ class AllToAll(torch.autograd.Function):
 class ExpertParallelDispatch:
     """Stands in for `MoE.run_experts` on a rank holding experts [first, first + n_local)."""
 
-    def __init__(self, moe: MoE, group, n_local: int):
+    def __init__(self, moe: MoE, group, n_local: int, n_slots: int = 0):
         self.moe, self.group, self.n_local = moe, group, n_local
         self.ep = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.bytes_sent = 0  # forward dispatch rows leaving this rank, for benchmarks/moe.py
+        self.replicas = ReplicaSlots(moe.experts, group, n_local, n_slots) if n_slots else None
+
+    def rank_loads(self, load: list[float]) -> list[float]:
+        """Rows of a step's `load` (per expert) each ep rank computes, replicas where they run."""
+        if self.replicas is not None:
+            return self.replicas.rank_loads(load)
+        return rank_loads(load, self.ep, self.n_local, None)
 
     def __call__(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        ep, n_local = self.ep, self.n_local
-        sent = torch.tensor(counts, dtype=torch.long, device=routed.device)
-        received = _all_to_all(sent, [n_local] * ep, [n_local] * ep, self.group)
-        from_rank = received.view(ep, n_local).tolist()  # [source rank][local expert] rows
-        send_splits = [sum(counts[r * n_local:(r + 1) * n_local]) for r in range(ep)]
+        ep = self.ep
+        # Columns: the experts (and replica slots) of each destination rank, `width` per rank.
+        columns, layout = self.replicas.split(counts) if self.replicas is not None else (counts, None)
+        if layout is not None:
+            routed = routed[layout.to(routed.device)]
+        width = len(columns) // ep
+        sent = torch.tensor(columns, dtype=torch.long, device=routed.device)
+        received = _all_to_all(sent, [width] * ep, [width] * ep, self.group)
+        from_rank = received.view(ep, width).tolist()  # [source rank][local column] rows
+        send_splits = [sum(columns[r * width:(r + 1) * width]) for r in range(ep)]
         recv_splits = [sum(row) for row in from_rank]
         rows = AllToAll.apply(routed, recv_splits, send_splits, self.group)
         self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * routed.shape[-1] * routed.element_size()
 
         order = expert_major_order(from_rank, rows.device)
-        local_counts = [sum(row[e] for row in from_rank) for e in range(n_local)]
-        out = self.moe.experts(rows[order], local_counts)
+        local_counts = [sum(row[e] for row in from_rank) for e in range(width)]
+        out = self._compute(rows[order], local_counts)
         back = out[torch.argsort(order)]  # undo the regrouping
-        return AllToAll.apply(back, send_splits, recv_splits, self.group)
+        out = AllToAll.apply(back, send_splits, recv_splits, self.group)
+        return out if layout is None else out[torch.argsort(layout.to(out.device))]
+
+    def _compute(self, rows: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
+        """Own experts' rows first, then the replica slots' (when there are slots in the plan)."""
+        if len(local_counts) == self.n_local:
+            return self.moe.experts(rows, local_counts)
+        own = sum(local_counts[:self.n_local])
+        return torch.cat([self.moe.experts(rows[:own], local_counts[:self.n_local]),
+                          self.replicas.run(rows[own:], local_counts[self.n_local:])])
 
 
 def expert_major_order(from_rank: list[list[int]], device) -> torch.Tensor:
@@ -94,8 +120,9 @@ def expert_major_order(from_rank: list[list[int]], device) -> torch.Tensor:
     return torch.cat(pieces).to(device) if pieces else torch.zeros(0, dtype=torch.long, device=device)
 
 
-def apply_expert_parallel(part: nn.Module, ep_mesh) -> None:
-    """Keep this rank's slice of every MoE layer's experts and route through all-to-all."""
+def apply_expert_parallel(part: nn.Module, ep_mesh, replicas: int = 0) -> None:
+    """Keep this rank's slice of every MoE layer's experts and route through all-to-all
+    (`replicas`: replica slots per rank and layer, parallel.ep_replicas)."""
     ep, rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
     for moe in moe_layers(part):
         n_local = moe.cfg.n_experts // ep
@@ -105,7 +132,7 @@ def apply_expert_parallel(part: nn.Module, ep_mesh) -> None:
             # ranks, is then summed by the expert-data-parallel group, which spans them.
             whole = whole.to_local() if isinstance(whole, DTensor) else whole
             setattr(moe.experts, name, nn.Parameter(whole.detach()[first:first + n_local].clone()))
-        moe.run_experts = ExpertParallelDispatch(moe, group, n_local)
+        moe.run_experts = ExpertParallelDispatch(moe, group, n_local, replicas)
 
 
 def gather_experts(name: str, tensor: torch.Tensor, ep_mesh) -> torch.Tensor:
@@ -122,7 +149,10 @@ def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device
     micro-batches here, summed over dp·cp), the bias update of bias balancing from it, and the
     router metrics: totals over the layers (`moe_tokens_per_expert`, `moe_imbalance` = the worst
     layer's max/mean, `moe_dropped_tokens`, `aux_loss`) and `moe_layers`, the same per layer by
-    its index in the model (with the choice bias under bias balancing). Same in every layout;
+    its index in the model (with the choice bias under bias balancing). Under expert parallelism
+    also `moe_rank_imbalance`: the worst layer's max/mean over the ep ranks of the rows each
+    computes (chosen assignments, before capacity drops; a replicated expert's shared by its
+    copies), and the load feeds the replica plan (parallel/expert_replicas.py). Same in every layout;
     under pipeline parallelism a rank reports the layers of its own stages."""
     named = [(index, moe) for part in parts for index, block in part.layers.items() for moe in moe_layers(block)]
     if not named:
@@ -147,16 +177,25 @@ def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device
     load = packed[:n * n_experts].view(n, n_experts)
     dropped, aux_sum = packed[n * n_experts: n * n_experts + n], packed[n * n_experts + n:]
     imbalance = load.max(1).values / load.mean(1).clamp(min=1e-9)
-    per_layer = {}
+    per_layer, rank_imbalance = {}, []
     for (index, layer), layer_load, layer_imbalance, layer_dropped in zip(named, load, imbalance, dropped):
         per_layer[index] = {"tokens_per_expert": [int(x) for x in layer_load.tolist()],
                             "imbalance": layer_imbalance.item(), "dropped_tokens": int(layer_dropped.item())}
+        dispatch = layer.run_experts
+        if isinstance(dispatch, ExpertParallelDispatch):
+            per_rank = dispatch.rank_loads(layer_load.tolist())  # under the plan this step ran with
+            rank_imbalance.append(max(per_rank) / max(sum(per_rank) / len(per_rank), 1e-9))
+            per_layer[index]["rank_imbalance"] = rank_imbalance[-1]
+            if dispatch.replicas is not None:
+                dispatch.replicas.observe(layer_load)
         if layer.cfg.balance == "bias":
             layer.update_bias(layer_load)
             per_layer[index]["expert_bias"] = layer.router.expert_bias.tolist()  # after this step's update
     metrics = {"moe_tokens_per_expert": [int(x) for x in load.sum(0).tolist()],
                "moe_imbalance": imbalance.max().item(), "moe_dropped_tokens": int(dropped.sum().item()),
                "moe_layers": per_layer}
+    if rank_imbalance:
+        metrics["moe_rank_imbalance"] = max(rank_imbalance)
     if layers[0].cfg.balance == "aux_loss":
         metrics["aux_loss"] = aux_sum.sum().item() / ranks
     return metrics

@@ -24,6 +24,7 @@ from fivefold.parallel.comm_ledger import CommLedger
 from fivefold.parallel.context import SequenceSplit, apply_context_parallel
 from fivefold.parallel.data import DataParallel, build_data_parallel
 from fivefold.parallel.expert import apply_expert_parallel, finish_router_step, gather_experts, set_aux_grad_scale
+from fivefold.parallel.expert_replicas import after_optimizer_step
 from fivefold.parallel.materialize import materialize
 from fivefold.parallel.pipeline import Pipeline
 from fivefold.parallel.recompute import apply_recompute
@@ -66,6 +67,7 @@ class Parallelized:
         self._ep_mesh = mesh["ep"] if mesh is not None and dims.ep > 1 else None
         self.router_metrics: dict = {}  # MoE load, imbalance, drops, aux loss of the last step
         self._n_micro = 0  # of the last forward_backward (0: all recorded forwards)
+        self._rebalance_every = 1  # parallel.ep_rebalance_every, set by parallelize()
 
     def _loss_context(self):
         if self._loss_parallel:
@@ -162,6 +164,8 @@ class Parallelized:
         self.data_parallel.optimizer_step(optimizer)
         # MoE: the step's load over the global batch moves balancing biases; metrics for the log.
         self.router_metrics = finish_router_step(self.parts, self._dp_cp_group, self._n_micro, self.device)
+        # Hot-expert replicas: re-plan from that load every few steps, copy the updated owners.
+        after_optimizer_step(self.parts, self._rebalance_every, optimizer)
         if self._mtp_depth:
             self.mtp_metrics = self._take_mtp_loss()
 
@@ -257,7 +261,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
             apply_tensor_parallel(part, spec, cfg.model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
                                   keep_shards=keeps_shards(cfg))
         if dims.ep > 1:
-            apply_expert_parallel(part, mesh["ep"])
+            apply_expert_parallel(part, mesh["ep"], replicas=cfg.parallel.ep_replicas)
         if dims.cp > 1:
             apply_context_parallel(part, spec.attention_core, mesh["cp"], cfg.parallel.cp_method)
         apply_recompute(part.layers, cfg.train.recompute, lambda index: spec.block_plan(cfg.model, index),
@@ -284,6 +288,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
     par = Parallelized(parts, dims, mesh, data_parallel, n_params, loss_parallel=dims.tp > 1,
                        device=device, pipeline=pipeline, mtp_depth=cfg.model.mtp_depth)
     par._tied_group = tied_group
+    par._rebalance_every = cfg.parallel.ep_rebalance_every
     if tied_group is not None and par.ledger is not None:
         par.ledger.group_dims[tied_group.group_name] = "pp"  # the pipeline's two ends
     return par

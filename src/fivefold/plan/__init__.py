@@ -5,7 +5,7 @@ search the best one. Pure Python arithmetic: no torch, answers in milliseconds.
 """
 
 from fivefold.plan.estimate import Estimate, estimate
-from fivefold.plan.hardware import DEFAULT_RUNTIME, PROFILES, Hardware, Runtime, hardware_for
+from fivefold.plan.hardware import DEFAULT_RUNTIME, PROFILES, Hardware, Runtime, hardware_for, runtime_for
 from fivefold.plan.layout import Layout, parse_layout
 from fivefold.plan.model_stats import ModelStats, model_stats
 from fivefold.plan.search import SearchResult, search
@@ -13,15 +13,16 @@ from fivefold.plan.workload import PRECISIONS, Workload, workload_from_config
 
 
 def plan_layout(cfg, layout: Layout, gpu: str | None = None) -> Estimate:
-    """Predict one layout for a resolved Config on its [cluster] GPU (or `gpu`)."""
+    """Predict one layout for a resolved Config on its [cluster] GPU (or `gpu`), with the runtime
+    profile of its train.compile."""
     hw = hardware_for(gpu or cfg.cluster.gpu, cfg.cluster.gpus_per_node)
-    return estimate(workload_from_config(cfg), layout, hw, DEFAULT_RUNTIME)
+    return estimate(workload_from_config(cfg), layout, hw, runtime_for(cfg.train.compile))
 
 
 def search_layouts(cfg, gpus: int | None = None) -> SearchResult:
     """Rank the layouts of a resolved Config on cfg.cluster (or `gpus` GPUs)."""
     hw = hardware_for(cfg.cluster.gpu, cfg.cluster.gpus_per_node)
-    return search(cfg, workload_from_config(cfg), hw, DEFAULT_RUNTIME, gpus or cfg.cluster.gpus)
+    return search(cfg, workload_from_config(cfg), hw, runtime_for(cfg.train.compile), gpus or cfg.cluster.gpus)
 
 
 __all__ = ["DEFAULT_RUNTIME", "Estimate", "Hardware", "Layout", "ModelStats", "PRECISIONS",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig, load_config
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import DEFAULT_RUNTIME, PROFILES, hardware_from_cluster
+from fivefold.plan.hardware import PROFILES, hardware_from_cluster, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
 from fivefold.plan.report import plot_memory, table, to_json
 from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, search,
@@ -129,7 +129,7 @@ def _evaluate_given(cfg, workload, hw, layouts: list[Layout], where: list[str]):
         problem = layout_problem(cfg, workload, layout, world)
         if problem:
             raise PlanError(f"{label}: {problem}")
-        est = estimate(workload, layout, hw, DEFAULT_RUNTIME)
+        est = estimate(workload, layout, hw, runtime_for(cfg.train.compile))
         explain_single(est)
         out.append(est)
     return out
@@ -181,7 +181,7 @@ def _plan(argv: list[str]) -> int:
         if gpus < 1:
             raise PlanError("give the cluster size with --cluster.gpus N (or a --layout to evaluate)")
         _check_nodes(gpus, hw.gpus_per_node, "a cluster")
-        result = search(cfg, workload, hw, DEFAULT_RUNTIME, gpus)
+        result = search(cfg, workload, hw, runtime_for(cfg.train.compile), gpus)
         ranked = []  # the winners, re-checked with the training code's full rules
         for est in result.ranked:
             if len(ranked) == top:
@@ -215,13 +215,13 @@ def _plan(argv: list[str]) -> int:
 
 def _fits_nowhere(cfg, workload, hw, gpus: int, result) -> str:
     name = cfg.model.preset
-    lean = leanest_layout(cfg, workload, hw, DEFAULT_RUNTIME, gpus)
+    lean = leanest_layout(cfg, workload, hw, runtime_for(cfg.train.compile), gpus)
     if lean is None:
         reason = result.rejected[0].reason if result.rejected else "no degrees divide the cluster"
         return (f"no valid layout of {name} exists on {gpus} GPUs ({reason}); "
                 f"change --cluster.gpus or train.global_batch")
     need = f"; even the leanest layout ({lean[0].short()}) needs {lean[1] / GB:.1f} GB per GPU"
-    found = smallest_fitting_cluster(cfg, workload, hw, DEFAULT_RUNTIME, 2 * gpus)
+    found = smallest_fitting_cluster(cfg, workload, hw, runtime_for(cfg.train.compile), 2 * gpus)
     if found is None:
         return f"{name} fits on no cluster of {hw.name} GPUs{need}; use GPUs with more memory"
     n, layout = found

@@ -60,6 +60,10 @@ def layout_problem(cfg: Config, workload: Workload, layout: Layout, world: int |
     if layout.split_backward and layout.recompute == "selective":  # fivefold.validate's rule
         return (f"pp_schedule={layout.pp_schedule} splits each backward in two, which selective "
                 "recomputation cannot run; use recompute=full or none with it")
+    stats = workload.stats
+    if layout.split_backward and stats.mtp_depth and stats.tie_embeddings:  # fivefold.validate's rule
+        return (f"pp_schedule={layout.pp_schedule} cannot run multi-token prediction with tied embeddings "
+                "(PyTorch's split weight pass); use 1f1b or interleaved_1f1b")
     if layout.pp_layers:
         try:
             parse_pp_layers(layout.pp_layers, p * v, workload.stats.n_layers)
