@@ -107,7 +107,8 @@ def two_rank_results(tmp_path_factory):
 
 @pytest.mark.parametrize("family, name", CASES, ids=[f"{f} {n}" for f, n in CASES])
 def test_layout_equals_one_process(two_rank_results, family, name):
-    want = reference({"model": FAMILIES[family], "train": TRAIN})
+    layout = layouts_of(family)[name]
+    want = reference({"model": layout["model"], "train": layout["train"]})
     for rank, results in enumerate(two_rank_results):
         assert_same_run(results["runs"][(family, name)], want, label=f"{family} {name} rank {rank}")
 

@@ -68,8 +68,8 @@ class HFBoxes:
     def __init__(self, folder, dtype: torch.dtype | None = torch.float32):
         self.folder, self.dtype = Path(folder), dtype
         self._handles: dict[Path, object] = {}
-        self._where = self._locate()
         self.cfg = read_hf_config(self.folder)
+        self._where = self._locate()
         self.cfg = model_spec(self.cfg).hf.fit_to_files(self.cfg, set(self._where))
         spec = model_spec(self.cfg)
         self.adapter, self.tied = spec.hf, spec.tied(self.cfg)
