@@ -2,10 +2,10 @@
 dense and MoE, each against the single-process run (fp32 losses and gradient norms within 1e-5
 relative per step, final weights), plus recomputation, bf16 and torch.compile inside 5D layouts.
 
-The default suite runs the full 16-rank layouts (dp2 x tp2 x pp2 x cp2, and ep2 for MoE; for one,
-ep8 borrowing tp ranks) in one spawn, with recomputation and bf16; `pytest -m slow` adds
-torch.compile and the matrix: every value of every dimension, each combined with the others (8-rank
-layouts that drop one dimension, and more 16-rank ones). The 16-rank spawn also checks that the
+The default suite runs the full 16-rank layouts (dp2 x tp2 x pp2 x cp2, and ep2 for MoE) in one
+spawn, with recomputation and bf16; `pytest -m slow` adds torch.compile and the matrix: every value
+of every dimension, each combined with the others (8-rank layouts that drop one dimension, and more
+16-rank ones, ep8 borrowing tp ranks among them). The 16-rank spawn also checks that the
 rank map (`fivefold layout`) is what the run really builds.
 """
 
@@ -65,10 +65,6 @@ FULL = [
     layout(QWEN3, dp=2, zero=1, tp=2, pp=2, cp=2, method="ulysses", seed=5),
     layout(QWEN3_MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, seed=5),
     layout(DEEPSEEK_V3, dp=2, zero=3, tp=2, pp=2, cp=2, method="allgather", ep=2),
-    # ep borrowing tp (mesh.py expert_groups): each tp rank dispatches its own slice of the tokens
-    # to all 8 ranks of its stage; no two ranks hold the same expert (edp = dp·cp·tp/ep = 1). As
-    # FULL[1] otherwise, so that a failure here is the borrowing's.
-    layout(MOE8, dp=2, zero=1, tp=2, pp=2, cp=2, ep=8),
 ]
 # Checked against the fp32 reference within 2% (bf16 keeps 8 mantissa bits) rather than 1e-5.
 BF16 = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, dtype="bf16")
@@ -86,6 +82,11 @@ SLOW_16 = [
     layout(MOE, dp=2, zero=3, tp=2, pp=2, schedule="interleaved_1f1b", cp=2, ep=2),
     layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, method="allgather", ep=2),
     layout(MOE, dp=2, zero=0, tp=2, pp=2, schedule="1f1b", cp=2, ep=4),
+    # ep borrowing tp (mesh.py expert_groups): each tp rank dispatches its own slice of the tokens
+    # to all 8 ranks of its stage; no two ranks hold the same expert (edp = dp·cp·tp/ep = 1). As
+    # FULL[1] otherwise, so that a failure here is the borrowing's. (The default suite has ep
+    # borrowing tp at 4 ranks, tests/test_expert_parallel.py; this one costs the 16-rank spawn ~1 min.)
+    layout(MOE8, dp=2, zero=1, tp=2, pp=2, cp=2, ep=8),
 ]
 SLOW_8 = [
     layout(DENSE, dp=2, zero=1, tp=2, pp=2, schedule="zbv"),
