@@ -34,6 +34,7 @@ from torch import nn
 
 from fivefold.config import ModelConfig
 from fivefold.models.decoder import TransformerBlock, in_compute_dtype
+from fivefold.models.moe import _counts_for_stats as counts_for_stats
 
 IGNORE = -100  # F.cross_entropy's ignore_index: a position with no target at this depth
 
@@ -69,7 +70,7 @@ class MTPLayer(TransformerBlock):
         return h, in_compute_dtype(self.head_norm(h))
 
     def record(self, loss: torch.Tensor) -> None:
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if counts_for_stats():  # as the router's statistics: not evaluation, not a recomputation
             self._losses.append(loss.detach())
 
     def take_losses(self, last: int | None = None) -> list[float]:
