@@ -36,7 +36,7 @@ SETTINGS = {
 
 
 def _rank(replicas: int) -> dict:
-    from fivefold.parallel.parallelize import Parallelized
+    from fivefold.parallel.parallelized import Parallelized
     from fivefold.train.trainer import train
 
     cpu, step = [0.0], [0]

@@ -1,5 +1,5 @@
 """gloo's reduce-scatter against an all-to-all plus a local sum, the way tensor parallelism on CPU
-reduce-scatters (parallel/tp_layers.py), with all-gather and all-reduce of the same sizes beside.
+reduce-scatters (parallel/tensor/layers.py), with all-gather and all-reduce of the same sizes beside.
 
     OMP_NUM_THREADS=1 python benchmarks/gloo_collectives.py [--nproc 2] [--mib 0.25,1,4] [--rounds 5] [--iters 20]
 

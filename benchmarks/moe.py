@@ -84,7 +84,7 @@ TP_WORK_MODEL = ["--model.preset", "tiny-moe", "--model.moe.n_experts", "8", "--
 def _work_rank(overrides: list[str]) -> tuple[float, float, float]:
     """One rank of `tp_work`: trains, counting expert rows and CPU seconds from the second step on."""
     from fivefold.models.moe import MoE, Experts
-    from fivefold.parallel.parallelize import Parallelized
+    from fivefold.parallel.parallelized import Parallelized
     from fivefold.train.trainer import train
 
     seen = {"steps": 0, "rows": 0, "moe_cpu": 0.0, "step_cpu": 0.0}

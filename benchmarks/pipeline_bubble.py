@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fivefold.parallel.schedule_table import schedule_bubble
+from fivefold.parallel.pipeline.schedule_table import schedule_bubble
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb", 2), ("zbv", 2), ("dualpipev", 2)]
 

@@ -61,7 +61,7 @@ def workload_for(name: str) -> Workload:
 def nanotron_pp_layers(name: str, pp: int) -> str | None:
     """Layers per pipeline rank as nanotron places them, or None when a rank gets nothing.
 
-    nanotron (models/base.py, build_model) walks its pipeline blocks (embedding, decoder layers,
+    nanotron (its build_model) walks its pipeline blocks (embedding, decoder layers,
     final norm, lm_head, fp32 cast, loss) in order with their costs (a layer 4h^2 + 3h*ffn, the
     lm_head vocab*h, the rest 0) and moves to the next rank once the cumulative cost passes
     (rank+1)/pp of the total. Early ranks get the extra layers; the last ones may get none."""

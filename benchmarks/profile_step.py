@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_transformers  # noqa: E402
 from vs_transformers import CPU_SHAPE, make_config  # noqa: E402
 
-from fivefold.parallel.parallelize import Parallelized  # noqa: E402
+from fivefold.parallel.parallelized import Parallelized  # noqa: E402
 from fivefold.train import trainer  # noqa: E402
 
 PHASES = {"forward_backward": "forward+backward", "finish_grads": "finish grads",

@@ -38,7 +38,7 @@ GROUPS = {  # operator-name fragments -> group (first match wins)
 
 def run(tp: int, steps: int, warmup: int, top: int) -> dict:
     from fivefold.config import load_config
-    from fivefold.parallel.parallelize import Parallelized
+    from fivefold.parallel.parallelized import Parallelized
     from fivefold.train import trainer
 
     cfg = load_config(None, {"model": MODEL, "train": {**TRAIN, "steps": steps}, "parallel": {"tp": tp},

@@ -36,7 +36,7 @@ def planned_resident_bytes(config: str) -> int:
     """Parameters + ZeRO-1/2 master chunks of rank 0, from the planner (no build)."""
     sys.path.insert(0, str(ROOT / "src"))
     from fivefold.config import load_config
-    from fivefold.rank_build import planned_state_bytes
+    from fivefold.tools.rank_build import planned_state_bytes
 
     return planned_state_bytes(load_config(config), 0)["planned_resident_bytes"]
 
@@ -63,7 +63,7 @@ def build_rows(configs: list[str]) -> list[dict]:
 
 CHILD = """
 import json, resource, sys, time
-from fivefold.convert import convert
+from fivefold.tools.convert import convert
 start = time.perf_counter()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 convert(sys.argv[1], sys.argv[2])

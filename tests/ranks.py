@@ -1,8 +1,11 @@
 """Run a function on N gloo ranks, each in its own process, and collect what each returns.
 
-The failing rank's traceback becomes the test failure; a rank that does not finish within the
-timeout fails the test (all ranks are killed) instead of hanging the suite. `fn` must be defined
-at module level (it is sent to the ranks by reference).
+When ranks fail, the test failure names the rank that failed first and why: a rank whose process
+died without a word (killed by a signal, e.g. out of memory) before any other, else the earliest
+traceback; the others' first lines follow (their "connection closed by peer" is usually the echo of
+the first failure, not its cause). A rank that does not finish within the timeout fails the test
+(all ranks are killed) instead of hanging the suite. `fn` must be defined at module level (it is
+sent to the ranks by reference).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import datetime
 import io
 import os
 import queue as queue_module
+import signal
 import socket
 import time
 import traceback
@@ -39,9 +43,9 @@ def _rank_main(rank, world_size, port, timeout_s, fn, args, kwargs, results):
         # which is gone once it exits.
         buffer = io.BytesIO()
         torch.save(value, buffer)
-        results.put((rank, "ok", buffer.getvalue()))
+        results.put((rank, "ok", buffer.getvalue(), time.time()))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc(), time.time()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -61,28 +65,66 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 600, collective_
     for p in procs:
         p.start()
     values: dict[int, object] = {}
+    errors: dict[int, tuple[float, str]] = {}  # rank -> (when it failed, its traceback)
+    deaths: dict[int, float] = {}  # rank -> when its silent death was seen
     deadline = time.monotonic() + timeout_s
+    grace_end = None  # after a first failure: a few seconds for the others' reports, then the verdict
     try:
-        while len(values) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while len(values) + len(errors) + len(deaths) < world_size:
+            now = time.monotonic()
+            if grace_end is not None and now > grace_end:
+                break
+            if now > deadline:
+                if errors or deaths:
+                    break
                 missing = sorted(set(range(world_size)) - set(values))
                 raise AssertionError(f"ranks {missing} did not finish within {timeout_s:.0f}s")
             try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
+                rank, status, value, when = results.get(timeout=min(deadline - now, 1.0))
             except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
-                if dead:
-                    raise AssertionError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in values and r not in errors and r not in deaths:
+                        deaths[r] = time.time()
+                        grace_end = grace_end or time.monotonic() + 5
                 continue
             if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
+                errors[rank] = (when, value)
+                grace_end = grace_end or time.monotonic() + 5
+                continue
             import torch
 
             values[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        if errors or deaths:
+            raise AssertionError(_failure_report(errors, deaths, procs))
     finally:
+        failed = len(values) < world_size  # then the ranks still running wait for peers that are gone
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=1 if failed else 10)
             if p.is_alive():
                 p.kill()
     return [values[r] for r in range(world_size)]
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        return f"killed by {name}" + (" (out of memory, or killed from outside)" if name == "SIGKILL" else "")
+    return f"exit code {code}"
+
+
+def _failure_report(errors: dict, deaths: dict, procs) -> str:
+    """The first failure in full, then one line for each other failed rank."""
+    if deaths:  # a silent death comes before the errors it causes in its peers
+        first = min(deaths, key=deaths.get)
+        head = f"rank {first} died first, {_exit_reason(procs[first].exitcode)}, without a traceback"
+    else:
+        first = min(errors, key=lambda r: errors[r][0])
+        head = f"rank {first} failed first:\n{errors[first][1]}"
+    others = [f"  rank {r}: {_last_line(tb)}" for r, (_, tb) in sorted(errors.items()) if r != first]
+    others += [f"  rank {r}: died, {_exit_reason(procs[r].exitcode)}" for r in sorted(deaths) if r != first]
+    return head + ("\nthen:\n" + "\n".join(others) if others else "")
+
+
+def _last_line(tb: str) -> str:
+    lines = [line for line in tb.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no message)"

@@ -1,5 +1,5 @@
 """benchmarks/gpu.sh --dry-run runs the GPU benchmark's code path end to end on CPU with a tiny shape
-and writes its table. No timings are asserted (DESIGN.md: speed lives in benchmarks/)."""
+and writes its table. No timings are asserted (docs/design.md: speed lives in benchmarks/)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ the uninterrupted run's losses for steps 4-6 (within 1e-5; bit-for-bit under the
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,7 +262,7 @@ def _hf_logits(folder, x):
 
 
 def _our_logits(checkpoint_path, x):
-    from fivefold.convert import checkpoint_to_model
+    from fivefold.tools.convert import checkpoint_to_model
 
     with torch.no_grad():
         return checkpoint_to_model(checkpoint_path)(x)
@@ -284,7 +285,7 @@ def test_export_to_hf_gives_equal_logits(saved, tmp_path):
 def test_sharded_checkpoint_exports_to_hf(four, root, tmp_path):
     """A checkpoint spread over four ranks' files (pp2 zbv, the tied embedding on one rank twice)
     converts in one process; transformers computes the same logits."""
-    from fivefold.convert import convert
+    from fivefold.tools.convert import convert
 
     convert(f"{root}/dp2 pp2 zbv zero1", tmp_path / "hf")  # a checkpoint root: follows `latest`
     x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -296,7 +297,7 @@ def test_hf_import_train_export_round_trip(saved, tmp_path):
     from layouts import BASE
 
     from fivefold.config import load_config
-    from fivefold.convert import convert
+    from fivefold.tools.convert import convert
     from fivefold.train.trainer import train
 
     convert(saved, tmp_path / "hf")
@@ -329,3 +330,22 @@ def test_async_save_writes_the_same_checkpoint(tmp_path):
         # The process-wide RNG moved on between the two runs (in one process); all else is equal.
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if not k.startswith("rng/")), step
     assert (tmp_path / "async" / "latest").read_text().strip() == "step_00000003"
+
+
+def test_a_checkpoint_of_the_code_before_the_redesign_resumes_the_same_run(tmp_path):
+    """tests/data/checkpoint-0.1.0: step 2 saved by the code before the package was reorganised;
+    today's code resumes it and steps 3 and 4 equal that code's uninterrupted run."""
+    from fivefold.config import load_config
+    from fivefold.train.trainer import train
+
+    data = Path(__file__).parent / "data" / "checkpoint-0.1.0"
+    want = json.loads((data / "expected.json").read_text())["uninterrupted"][2:]
+    cfg = load_config(data / "run.toml", {"log": {"dir": str(tmp_path)},
+                                          "checkpoint": {"resume": str(data / "step_00000002")}})
+    train(cfg)
+    got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [3, 4]
+    for g, w in zip(got, want):
+        assert g["lr"] == pytest.approx(w["lr"], rel=1e-12)
+        for key in ("loss", "grad_norm"):
+            assert abs(g[key] - w[key]) <= LOSS_RTOL * abs(w[key]), (key, g, w)

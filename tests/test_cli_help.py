@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 import fivefold
-from fivefold import cli, cli_help
+from fivefold.cli import commands as cli
+from fivefold.cli import help_text as cli_help
 from fivefold.config import Config
-from fivefold.shipped_configs import CONFIG_DIR, names, resolve
+from fivefold.config.shipped import CONFIG_DIR, names, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,14 +98,14 @@ def test_help_prefers_metadata_then_trailing_then_block_comments():
 
 
 def test_the_uncommented_table_names_only_existing_uncommented_keys():
-    """UNCOMMENTED fills gaps only: a key config.py explains itself is explained there alone, and a
+    """UNCOMMENTED fills gaps only: a key config/schema.py explains itself is explained there alone, and a
     renamed or removed key does not linger in the table."""
     keys = {dotted: (cls, name) for dotted, _, cls, name in every_key()}
     assert set(cli_help.UNCOMMENTED) <= set(keys), set(cli_help.UNCOMMENTED) - set(keys)
     for dotted, (cls, name) in keys.items():
         own = cli_help.key_help(cls, name, "")  # metadata or comments alone
         assert bool(own) != (dotted in cli_help.UNCOMMENTED), (
-            f"{dotted}: {'drop it from' if own else 'add a comment in config.py or a line in'} cli_help.UNCOMMENTED")
+            f"{dotted}: {'drop it from' if own else 'add a comment in config/schema.py or a line in'} cli_help.UNCOMMENTED")
 
 
 @pytest.mark.parametrize("command", list(cli_help.COMMANDS))

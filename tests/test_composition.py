@@ -11,7 +11,7 @@ rank map (`fivefold layout`) is what the run really builds.
 
 import pytest
 
-from layouts import assert_same_run, reference, run_layout, tiny_config, with_documents, write_short_documents
+from layouts import TP_WEIGHT_ATOL, assert_same_run, reference, run_layout, tiny_config, with_documents, write_short_documents
 from ranks import run_on_ranks
 
 # 4 layers so that pp2 with two virtual stages per rank (interleaved_1f1b, zbv) has a layer per stage.
@@ -28,8 +28,7 @@ QWEN3 = {"preset": "tiny-qwen3", "n_layers": 4}
 QWEN3_MOE = {"preset": "tiny-qwen3-moe", "n_layers": 4}
 DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_layers": 4, "n_kv_heads": 4}
 # With tp, AdamW's m/sqrt(v) amplifies row-parallel reassociation on weights whose gradients nearly
-# cancel (tests/test_pipeline.py TP_WEIGHT_ATOL; measured ~6e-5 on 8 layers); the same here.
-TP_WEIGHT_ATOL = 1e-4
+# cancel (TP_WEIGHT_ATOL of tests/layouts.py; measured ~6e-5 on 8 layers); the same here.
 SCHEDULE_VIRTUAL = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
 
 
@@ -177,7 +176,7 @@ def test_document_mask_5d(sixteen_rank_results, document_source):
 
 def test_rank_map_is_what_the_run_builds(sixteen_rank_results):
     from fivefold.mesh import ParallelDims
-    from fivefold.rank_map import rank_groups, rank_infos
+    from fivefold.tools.rank_map import rank_groups, rank_infos
 
     cfg = tiny_config(FULL[1])
     dims = ParallelDims.from_config(cfg.parallel)

@@ -1,7 +1,7 @@
 """Config: loading, precedence, overrides, `config show`, and one clear sentence per bad input.
 
 Every bad input must be reported as a ConfigError whose single sentence names the key and the fix
-(DESIGN.md principle 5); the CLI turns it into one `error:` line and exit code 2, never a traceback.
+(docs/design.md principle 5); the CLI turns it into one `error:` line and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, load_config, parse_overrides, to_toml
-from fivefold.presets import PRESETS
-from fivefold.shipped_configs import CONFIG_DIR
-from fivefold.validate import validate
+from fivefold.config.presets import PRESETS
+from fivefold.config.shipped import CONFIG_DIR
+from fivefold.config.validate import validate
 
 MISSING = object()  # marks the case whose config path does not exist
 

@@ -9,8 +9,9 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import load_config
-from fivefold.shipped_configs import CONFIG_DIR
-from fivefold.validate import check_supported, validate
+from fivefold.config.shipped import CONFIG_DIR
+from fivefold.config.validate import validate
+from fivefold.train.supported import check_supported
 
 CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))
 REAL_MODELS = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "deepseek-v3-style",

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from attention_inputs import attention_inputs
 from ranks import run_on_ranks
 
-from fivefold.parallel import attention_blocks
-from fivefold.parallel.context import SequenceSplit, local_positions
+from fivefold.parallel.context import blocks as attention_blocks
+from fivefold.parallel.context.apply import SequenceSplit, local_positions
 
 TOL = 1e-5  # fp32
 METHODS = ("ring", "allgather", "ulysses")
@@ -38,7 +38,7 @@ def _errors_on_rank(cases):
     """Max abs error of (out, dq, dk, dv) per (method, shape) case on this rank."""
     import torch.distributed as dist
 
-    from fivefold.parallel.context import ContextParallelAttention
+    from fivefold.parallel.context.apply import ContextParallelAttention
 
     group = dist.group.WORLD
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -169,7 +169,7 @@ def _stalled_peer(_):
 
     import torch.distributed as dist
 
-    from fivefold.parallel.ring_attention import ring_attention
+    from fivefold.parallel.context.ring import ring_attention
 
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
     if dist.get_rank() == 1:

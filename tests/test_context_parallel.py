@@ -10,7 +10,7 @@ from ranks import run_on_ranks
 from test_document_mask import METHODS, assert_document_ops_exact, document_op_errors
 
 from fivefold.config import ConfigError
-from fivefold.validate import validate
+from fivefold.config.validate import validate
 
 EVAL = {"eval_every": 3, "eval_batches": 2}
 CP2_LAYOUTS = [

@@ -414,7 +414,7 @@ def test_mix_settings_are_checked(prepared, tmp_path):
     with pytest.raises(ConfigError, match="names .* twice"):
         parse_mix(f"{a}:1,{a}:2")
     from fivefold.config import load_config
-    from fivefold.validate import validate
+    from fivefold.config.validate import validate
 
     with pytest.raises(ConfigError, match="data.mix and data.source=.* are both set"):
         validate(load_config(None, {"data": {"mix": f"{a}:1,{b}:1", "source": a}}))
@@ -478,7 +478,7 @@ def test_mix_of_different_tokenizers_is_refused(prepared, tmp_path):
 
     from fivefold.config import load_config
     from fivefold.train.prepare import prepare
-    from fivefold.validate import validate
+    from fivefold.config.validate import validate
 
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

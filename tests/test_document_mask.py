@@ -20,7 +20,7 @@ from attention_inputs import attention_inputs
 from fivefold.config import ConfigError, DataConfig
 from fivefold.models.decoder import CausalAttention
 from fivefold.models.documents import document_positions, flex_document_attention
-from fivefold.parallel import attention_blocks
+from fivefold.parallel.context import blocks as attention_blocks
 
 TOL = 1e-5  # fp32
 METHODS = ("ring", "allgather", "ulysses")
@@ -168,7 +168,7 @@ def document_op_errors():
     run alone; a case the layout cannot split (ulysses heads, seq) is left out."""
     import torch.distributed as dist
 
-    from fivefold.parallel.context import ContextParallelAttention, local_positions
+    from fivefold.parallel.context.apply import ContextParallelAttention, local_positions
 
     group = dist.group.WORLD
     rank, cp = dist.get_rank(), dist.get_world_size()

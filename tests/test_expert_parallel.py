@@ -8,7 +8,8 @@ from layouts import assert_same_run, reference, run_layout, tiny_config
 from ranks import run_on_ranks
 
 from fivefold.config import ConfigError
-from fivefold.validate import check_supported, validate
+from fivefold.config.validate import validate
+from fivefold.train.supported import check_supported
 
 # 4 experts of width 64 (aligned for torch._grouped_mm), top-2, in both layers of the tiny model.
 MOE = {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}
@@ -36,10 +37,10 @@ TWO_RANKS = [
     moe_layout({"dp": 2, "ep": 2}, {"recompute": "selective"}, balance="bias"),
     moe_layout({"dp": 2, "ep": 2, "zero": 1}, {"eval_every": 3, "eval_batches": 2}, balance="bias"),  # held-out loss
     # Context parallelism splits each sequence: the per-sequence auxiliary loss adds its routing
-    # statistics over the cp ranks (parallel/context.py).
+    # statistics over the cp ranks (parallel/context/apply.py).
     moe_layout({"cp": 2}),
     moe_layout({"cp": 2, "ep": 2}, score="sigmoid"),
-    # Tensor parallelism splits the tokens of each MoE layer (parallel/tensor.py): each tp rank
+    # Tensor parallelism splits the tokens of each MoE layer (parallel/tensor/apply.py): each tp rank
     # routes its slice; the aux loss and capacity priority are those of the whole sequence.
     moe_layout({"tp": 2}, capacity_factor=1.0),
     moe_layout({"tp": 2, "ep": 2}, score="sigmoid", balance="bias"),  # ep borrowing tp

@@ -1,4 +1,4 @@
-"""Hot-expert replicas (parallel.ep_replicas, parallel/expert_replicas.py) against the single-process
+"""Hot-expert replicas (parallel.ep_replicas, parallel/expert/replicas.py) against the single-process
 run: with a skewed router (no balancing) and a re-plan every 2 steps, the layouts train exactly
 as without replicas (losses, gradient norms, weights), the replicas compute rows and lower the
 per-ep-rank imbalance, a checkpoint resumes onto the uninterrupted run, and the layouts that
@@ -10,8 +10,8 @@ from layouts import LOSS_RTOL, assert_same_run, reference, run_layout, tiny_conf
 from ranks import run_on_ranks
 
 from fivefold.config import ConfigError
-from fivefold.parallel.expert_replicas import greedy_plan, rank_loads
-from fivefold.validate import validate
+from fivefold.parallel.expert.replicas import greedy_plan, rank_loads
+from fivefold.config.validate import validate
 
 # 4 experts (aligned for torch._grouped_mm), top-2, no balancing: at seed 11 the router drifts to
 # favour a few experts (per-ep-rank max/mean near 1.9 by step 4 at ep 2). A seed of its own keeps
@@ -46,7 +46,7 @@ SAVE = replica_layout({"dp": 2, "ep": 2})  # checkpointed at step 3, resumed
 def run_and_observe(layout: dict):
     """run_layout's Run, with the step records and the rows each replica slot set computed."""
     import fivefold.train.trainer as trainer
-    from fivefold.parallel.expert_replicas import replica_slots
+    from fivefold.parallel.expert.replicas import replica_slots
 
     kept, original = {}, trainer.train
 
@@ -64,7 +64,7 @@ def run_and_observe(layout: dict):
 
 
 def _two_rank_main(root: str):
-    from fivefold.parallel.expert_replicas import replica_slots
+    from fivefold.parallel.expert.replicas import replica_slots
     from fivefold.train.trainer import train
 
     runs = [run_and_observe(layout) for layout in TWO_RANKS]

@@ -17,7 +17,7 @@ is in test_composition.py.)
 
 import pytest
 
-from layouts import LOSS_RTOL, assert_same_run, reference, run_layout
+from layouts import LOSS_RTOL, TP_WEIGHT_ATOL, WEIGHT_ATOL, assert_same_run, reference, run_layout
 from ranks import run_on_ranks
 
 FAMILIES = {
@@ -110,7 +110,8 @@ def test_layout_equals_one_process(two_rank_results, family, name):
     layout = layouts_of(family)[name]
     want = reference({"model": layout["model"], "train": layout["train"]})
     for rank, results in enumerate(two_rank_results):
-        assert_same_run(results["runs"][(family, name)], want, label=f"{family} {name} rank {rank}")
+        atol = TP_WEIGHT_ATOL if layout["parallel"].get("tp", 1) > 1 else WEIGHT_ATOL
+        assert_same_run(results["runs"][(family, name)], want, weight_atol=atol, label=f"{family} {name} rank {rank}")
 
 
 @pytest.mark.parametrize("family, name", RESHARD_CASES, ids=[f"{f} {n}" for f, n in RESHARD_CASES])

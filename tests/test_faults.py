@@ -91,7 +91,7 @@ def _training_state(par, optimizer) -> dict:
 
     from torch.distributed.tensor import DTensor
 
-    from fivefold.parallel.state import persistent_buffers
+    from fivefold.parallel.pieces import persistent_buffers
 
     def local(t):
         return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
@@ -104,7 +104,7 @@ def _training_state(par, optimizer) -> dict:
 def skipped_step_states(parallel: dict | None = None) -> list[dict]:
     """Train 3 steps with step 2's gradient norm made NaN; the training state just before and just
     after each update that ran (steps 1 and 3)."""
-    from fivefold.parallel.parallelize import Parallelized
+    from fivefold.parallel.parallelized import Parallelized
     from fivefold.train.trainer import train
 
     states, original = [], Parallelized.optimizer_step

@@ -12,7 +12,7 @@ from layouts import tiny_config
 import fivefold
 from fivefold.cli import main
 from fivefold.config import ConfigError
-from fivefold.generate import generate
+from fivefold.tools.generate import generate
 from fivefold.train.data import ByteTokenizer
 
 PROMPT = "def __init__(self"

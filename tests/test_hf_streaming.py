@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from fivefold.config import ConfigError  # noqa: E402
-from fivefold.convert import checkpoint_to_model, convert, hf_to_checkpoint  # noqa: E402
+from fivefold.tools.convert import checkpoint_to_model, convert, hf_to_checkpoint  # noqa: E402
 from fivefold.models import build_meta_model, build_model  # noqa: E402
 from fivefold.models.hf import config_from_hf, hf_box_reader, load_pretrained, save_hf  # noqa: E402
 from fivefold.models.registry import model_spec  # noqa: E402
@@ -202,7 +202,7 @@ def test_random_folder_loads_in_transformers(tmp_path):
 CHILD = """
 import json, sys
 from fivefold.config import ModelConfig
-from fivefold.convert import convert
+from fivefold.tools.convert import convert
 from fivefold.models import build_meta_model
 
 def status(key):

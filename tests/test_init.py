@@ -54,7 +54,7 @@ def _pieces_equal_single_device(overrides: dict, world: int, rank: int) -> list[
     from fivefold.models import build_meta_model, build_model, initial_values
     from fivefold.parallel.grad_norm import local_tensor
     from fivefold.parallel.parallelize import parallelize
-    from fivefold.parallel.shards import piece_origin
+    from fivefold.parallel.pieces import piece_origin
     from layouts import tiny_config
 
     cfg = tiny_config({**overrides, "train": {"micro_batch": 1}})  # enough micro-batches for pp
@@ -67,7 +67,7 @@ def _pieces_equal_single_device(overrides: dict, world: int, rank: int) -> list[
         wrong = []
         for part in par.parts:
             for name, param in part.named_parameters():
-                offsets, _ = piece_origin(name, param, par._ep_mesh)
+                offsets, _ = piece_origin(name, param, par.ep_mesh)
                 local = local_tensor(param).detach()
                 box = tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))
                 source = "tok_embeddings.weight" if name == "output.weight" and cfg.model.tie_embeddings else name

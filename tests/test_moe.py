@@ -237,7 +237,7 @@ class SimulatedPieces:
 
     def __init__(self, whole: torch.Tensor, n_experts: int, cp: int, rank: int):
         batch, seq, k = whole.shape
-        self.n_chunks, self.chunks = 2 * cp, [rank, 2 * cp - 1 - rank]  # parallel/context.py's split
+        self.n_chunks, self.chunks = 2 * cp, [rank, 2 * cp - 1 - rank]  # parallel/context/apply.py's split
         chunk = seq // self.n_chunks
         self.counts = torch.zeros(self.n_chunks, batch, k, n_experts, dtype=torch.long)
         for c in range(self.n_chunks):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from fivefold.config import ConfigError, load_config, validate
 from fivefold.models import build_model
 from fivefold.models.mtp import IGNORE, future_tokens
-from fivefold.validate import check_supported
+from fivefold.train.supported import check_supported
 
 
 def test_future_tokens_are_the_tokens_ahead():

@@ -36,7 +36,7 @@ def _run_measuring_grads(layouts):
     """Each layout's run, and the most gradient bytes held after any backward action of a step
     (after the actions' own reduction), with the bytes of this rank's whole parameters."""
     import fivefold.parallel.parallelize as parallelize_module
-    from fivefold.parallel.pipeline import Pipeline
+    from fivefold.parallel.pipeline.stages import Pipeline
 
     built, build = {}, parallelize_module.build_data_parallel
     original_schedule = Pipeline.build_schedule
@@ -107,7 +107,7 @@ def test_ignored_options_are_reported_once_before_training(capsys):
 
 
 def test_defaults_and_used_options_are_not_reported():
-    from fivefold.validate import ignored_note
+    from fivefold.config.validate import ignored_note
 
     assert ignored_note(tiny_config()) is None
     used = tiny_config({"parallel": {"dp": 2, "zero": 1, "cp": 2, "cp_method": "allgather", "pp": 2,

@@ -103,7 +103,6 @@ def test_every_prediction_carries_its_uncertainty_band():
     assert band["p90_low"] < est.tokens_per_sec_per_gpu < band["p90_high"]
 
 
-
 def test_a_compiled_run_is_planned_with_the_compiled_profile():
     """train.compile picks the profile calibrated on compiled runs (Inductor fuses elementwise
     chains): plan_layout, the CLI's evaluation and the search all see it."""

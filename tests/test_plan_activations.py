@@ -1,5 +1,5 @@
 """Issue 9's check of activation memory against our own runs: the planner's predicted
-activation bytes per rank ('fivefold' recipe, plan/memory.py) within 10% of what one
+activation bytes per rank ('fivefold' recipe, plan/activations.py) within 10% of what one
 micro-batch's forward really keeps for backward (train/activation_probe.py), for fp32 and bf16
 autocast, tensor (with and without sequence), context and expert parallelism, dense and MoE
 blocks, and each recomputation mode; for the llama-style tiny model and (issue 17) the tiny
@@ -13,7 +13,7 @@ A sequence of 256 tokens makes activations dominate the small fixed tensors."""
 import pytest
 import torch
 
-from fivefold.presets import PRESETS
+from fivefold.config.presets import PRESETS
 from layouts import BASE, tiny_config
 from ranks import run_on_ranks
 
@@ -61,7 +61,7 @@ for family in ("qwen3-moe", "deepseek-v3"):
     TWO_RANKS[f"{family} dp2 ep2"] = {**FAMILIES[family], **_with({"dp": 2, "ep": 2}, global_batch=4)}
 
 # At tp4 selective recomputation checkpoints each residual branch apart and keeps the output
-# projections' inputs instead of their whole outputs (parallel/branch_split.py; at tp2 these shapes
+# projections' inputs instead of their whole outputs (plan/branch_split.py; at tp2 these shapes
 # keep the outputs): test_branches_apart_keep_less checks that this is what the measurement sees.
 FOUR_KV = {"model": {"n_kv_heads": 4}}
 FOUR_RANKS = {
@@ -135,10 +135,10 @@ def test_predicted_activations_match_what_the_forward_keeps(measured, label):
 def test_branches_apart_keep_less(measured, label, monkeypatch):
     """The run at tp4 keeps what the branches-apart recipe predicts, not what blocks checkpointed
     whole would (the projections' outputs): the measurement is nearer the first."""
-    import fivefold.plan.memory as memory
+    import fivefold.plan.activations as activations
 
     apart = _predicted(FOUR_RANKS[label])
-    monkeypatch.setattr(memory, "split_branches", lambda *args: False)
+    monkeypatch.setattr(activations, "split_branches", lambda *args: False)
     whole = _predicted(FOUR_RANKS[label])
     assert apart < whole and measured[label] < (apart + whole) / 2, \
         f"{label}: measured {measured[label]:,} B, predicted {apart:,.0f} B apart, {whole:,.0f} B whole"
@@ -147,7 +147,7 @@ def test_branches_apart_keep_less(measured, label, monkeypatch):
 def test_sharded_inputs_keep_less(measured):
     """Without recomputation the column-parallel layers keep their input's shard (the default) or
     the gathered input (sp_keep_gathered): the measurement tells them apart by what the recipe
-    says they differ by (parallel/sharded_inputs.py)."""
+    says they differ by (parallel/tensor/sharded_inputs.py)."""
     for label in ("tp2 none", "tp4 none"):
         cases = {**TWO_RANKS, **FOUR_RANKS}
         kept = _predicted({**cases[label], "parallel": {**cases[label]["parallel"], "sp_keep_gathered": True}})
@@ -287,11 +287,11 @@ def test_pipeline_ranks_hold_what_the_planner_predicts(pipeline_measured, label)
     for pp, n_micro in ((2, 4), (2, 6), (4, 4), (4, 8), (4, 12)) if schedule != "dualpipev" or n_micro >= 2 * pp])
 def test_in_flight_counts_follow_the_schedules_tables(schedule, pp, n_micro):
     """The planner's closed forms give, per rank and chunk, the micro-batches in flight at the
-    rank's peak in the schedule's own action table (parallel/schedule_table.py): a forward holds
+    rank's peak in the schedule's own action table (parallel/pipeline/schedule_table.py): a forward holds
     until its full backward, or until the weight pass of a split one (the input pass keeps the
     graph). Schedule1F1B runs its own loop (p - rank warm-up forwards), not its printed table."""
-    from fivefold.parallel.pipeline_split import stages_of_rank
-    from fivefold.parallel.schedule_table import action_table
+    from fivefold.plan.stage_split import stages_of_rank
+    from fivefold.parallel.pipeline.schedule_table import action_table
     from fivefold.plan.layout import Layout
     from fivefold.plan.schedule import in_flight_per_chunk
 

@@ -218,7 +218,7 @@ def test_expert_gradients_reduce_over_the_edp_group_only():
     # ZeRO-1 (fp32 reduction and weights: 4 + 4 bytes per parameter) under HSDP, dp4 as 2 shards x
     # 2 replicas, tp2. Dense weights (D per rank): reduce-scatter + all-gather over the shard pair,
     # 1/2 x 8D, and the replicas' all-reduce of the half, 2 x 1/2 x 4D/2: 6D. Expert weights (E per
-    # rank) are sharded over their whole edp group, replicas included (parallel/zero.py): no replica
+    # rank) are sharded over their whole edp group, replicas included (parallel/data/zero.py): no replica
     # term. ep4 takes all of dp, and its edp group is the tp pair (4 x 2 / 4 = 2): 1/2 x 8E = 4E;
     # ep8 borrows tp: edp = 1, no expert traffic at all.
     w = _mixtral()

@@ -10,7 +10,7 @@ import pytest
 from fivefold.config import load_config
 from fivefold.plan.hardware import PROFILES, device_peak_flops
 from fivefold.plan.model_stats import model_stats
-from fivefold.presets import PRESETS
+from fivefold.config.presets import PRESETS
 
 
 def _model(preset: str):

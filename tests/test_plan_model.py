@@ -13,10 +13,10 @@ from fivefold.plan import comm
 from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import DEFAULT_RUNTIME, NANOTRON_RUNTIME, hardware_for
 from fivefold.plan.layout import Layout, parse_layout
-from fivefold.plan.memory import (fivefold_layer_bytes, layer_activation_elements, model_state_bytes,
-                                  rank_memory, rank_param_counts, worst_rank_memory)
+from fivefold.plan.activations import fivefold_layer_bytes, layer_activation_elements
+from fivefold.plan.memory import model_state_bytes, rank_memory, rank_param_counts, worst_rank_memory
 from fivefold.plan.model_stats import model_stats
-from fivefold.parallel.pipeline_split import balanced_layer_counts
+from fivefold.plan.stage_split import balanced_layer_counts
 from fivefold.plan.schedule import (bubble_fraction, in_flight_chunks,
                                     pipeline_ranks)
 from fivefold.plan.workload import PRECISIONS, workload_from_config
@@ -161,7 +161,7 @@ def test_fivefold_recipe_last_rank_keeps_fp32_log_softmax_and_its_gradient_is_tr
     layer = 2 * (2 * h * 4 + 4 + h * 2) + (2 * h + 2 * kv) * 2 + 32 * 4 + 4 * f * 2
     assert fivefold_layer_bytes(w.stats, 0, layout, 4096, "none", w.precision, True) == layer
     rope = 2 * 4 * 4096 * 128  # per micro-batch: fp32 cos and sin, seq x head_dim
-    # + the stage outputs 1f1b still holds for sending (three fp32 outputs, parallel/pipeline.py)
+    # + the stage outputs 1f1b still holds for sending (three fp32 outputs, parallel/pipeline/stages.py)
     assert m_first.activations == pytest.approx(2 * (16 * layer * 4096 + rope) + 3 * 4096 * 4096 * 4)
     final_norm = (2 * h * 4 + 4 + h * 2) * 4096
     labels = 8 * 4096  # int64

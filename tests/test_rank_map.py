@@ -8,8 +8,8 @@ import pytest
 from fivefold.cli import main
 from fivefold.config import load_config
 from fivefold.mesh import ParallelDims
-from fivefold.rank_map import crosses_nodes, format_rank_map, rank_groups, rank_infos
-from fivefold.shipped_configs import CONFIG_DIR
+from fivefold.tools.rank_map import crosses_nodes, format_rank_map, rank_groups, rank_infos
+from fivefold.config.shipped import CONFIG_DIR
 
 DEMO = str(CONFIG_DIR / "demo.toml")
 

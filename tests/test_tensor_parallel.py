@@ -14,13 +14,13 @@ TP2_LAYOUTS = [
     {"parallel": {"tp": 2, "sp": False}},
     {"parallel": {"tp": 2}, "train": {"micro_batch": 2}},
     {"parallel": {"tp": 2}, "train": {"eval_every": 3, "eval_batches": 2}},  # held-out loss (Run.eval_losses)
-    # The gathered inputs kept for backward instead of their shards (parallel/sharded_inputs.py).
+    # The gathered inputs kept for backward instead of their shards (parallel/tensor/sharded_inputs.py).
     {"parallel": {"tp": 2, "sp_keep_gathered": True}},
 ]
 FOUR_RANK_LAYOUTS = [
     {"parallel": {"tp": 4}, "model": {"n_kv_heads": 4}},  # tp must divide the kv heads
     # Selective recomputation at tp4 checkpoints each residual branch apart and keeps the output
-    # projections' inputs (parallel/branch_split.py; the single process checkpoints blocks whole).
+    # projections' inputs (plan/branch_split.py; the single process checkpoints blocks whole).
     {"parallel": {"tp": 4}, "model": {"n_kv_heads": 4}, "train": {"recompute": "selective"}},
     {"parallel": {"tp": 4}, "model": {"n_kv_heads": 4, **MOE}, "train": {"recompute": "selective"}},
     {"parallel": {"dp": 2, "tp": 2, "zero": 1}},
@@ -78,7 +78,7 @@ def test_tp_shards_differ_across_ranks(tp2_results):
 def test_tp_ledger_matches_megatron_volume(tp2_results):
     """8·b·s·h·(t-1)/t elements per layer and micro-batch, plus 4 for the vocab-parallel ends;
     and, as Megatron does under sequence parallelism, the all-gather of each column-parallel
-    input again in backward from the shard it kept (parallel/sharded_inputs.py): 2 per layer and
+    input again in backward from the shard it kept (parallel/tensor/sharded_inputs.py): 2 per layer and
     1 for the output layer."""
     run = tp2_results[0][0]
     cfg = tiny_config(TP2_LAYOUTS[0])

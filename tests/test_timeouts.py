@@ -31,3 +31,27 @@ def test_collective_on_a_mesh_group_times_out():
     outcome, waited, message = results[0]
     assert outcome == "error", message
     assert waited < 30, f"took {waited:.0f}s: the mesh group did not inherit the 5 s timeout"
+
+
+def _one_rank_is_killed():
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does: no traceback
+    dist.all_reduce(torch.ones(4))  # rank 0: "connection closed by peer", the echo of rank 1's death
+    return "finished"
+
+
+def test_the_harness_names_the_rank_that_died_first():
+    """tests/ranks.py reports the cause (rank 1 killed), not the first message (rank 0's broken
+    connection), as a 16-rank spawn in CI once did."""
+    with pytest.raises(AssertionError) as failure:
+        run_on_ranks(2, _one_rank_is_killed, timeout_s=120, collective_timeout_s=20)
+    report = str(failure.value)
+    assert report.startswith("rank 1 died first, killed by SIGKILL"), report
+    assert "rank 0:" in report, report  # the echo is listed after the cause

@@ -1,4 +1,4 @@
-"""The tensor-parallel block collectives (parallel/tp_layers.py) against the whole tensors they stand
+"""The tensor-parallel block collectives (parallel/tensor/layers.py) against the whole tensors they stand
 for, forward and backward, on 2 and 4 gloo ranks: with and without sequence parallelism, and with both
 reduce-scatters (the all-to-all one gloo uses, and the native one NCCL uses, which gloo also runs)."""
 
@@ -16,7 +16,7 @@ def check_collectives() -> list[str]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fivefold.parallel.tp_layers import TensorParallelGroup
+    from fivefold.parallel.tensor.layers import TensorParallelGroup
 
     rank, size = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))

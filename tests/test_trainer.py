@@ -18,7 +18,7 @@ from fivefold.train.optim import lr_multiplier
 from fivefold.config import micro_batches
 from fivefold.train.trainer import autocast, train
 
-from layouts import tiny_config
+from layouts import WEIGHT_ATOL, tiny_config
 
 QUIET = {"log": {"every": 1000}}  # console lines only at the first and last step
 REQUIRED_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s", "peak_mem_bytes")
@@ -94,7 +94,10 @@ def test_micro_batch_arithmetic():
 def test_gradient_accumulation_equals_one_big_batch(reference):
     got = run({"train": {"micro_batch": 2}})  # 4 micro-batches of 2 sequences
     assert micro_batches(got[0]) == 4
-    assert_close_runs(got, reference, rtol=1e-6, weight_atol=1e-6, label="4 micro-batches")
+    # The micro-batch split reassociates the gradient sums: losses move by ~2e-7, and AdamW turns that
+    # into up to 1.6e-6 on weights whose gradients nearly cancel (AVX-512; less on AVX2): the
+    # tolerance rule of tests/layouts.py. A wrong scale of one micro-batch moves losses by 1e-3.
+    assert_close_runs(got, reference, rtol=1e-6, weight_atol=WEIGHT_ATOL, label="4 micro-batches")
 
 
 # ---------------------------------------------------------------- learning-rate schedules

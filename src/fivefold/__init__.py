@@ -9,7 +9,7 @@ def load_pretrained(path):
     from pathlib import Path
 
     if (Path(path) / "state.json").is_file() or (Path(path) / "latest").is_file():
-        from fivefold.convert import checkpoint_to_model  # a step_N folder or a checkpoint root
+        from fivefold.tools.convert import checkpoint_to_model  # a step_N folder or a checkpoint root
 
         return checkpoint_to_model(path)
     from fivefold.models.hf import load_pretrained as _load

@@ -78,7 +78,7 @@ class ParallelDims:
         """(ep groups, expert-data-parallel groups).
 
         ep borrows ranks from dp·cp, and from tp (Megatron's expert-parallel folding): the MoE
-        layers route a different slice of the tokens on each tp rank (parallel/tensor.py), so at
+        layers route a different slice of the tokens on each tp rank (parallel/tensor/apply.py), so at
         an MoE layer the dp·cp·tp ranks of a pipeline stage all hold different tokens. Their row
         (tp outermost, then dp·cp in mesh order) is cut into consecutive blocks of ep ranks, which
         split the experts among them: ep takes dp·cp ranks first, as without tp, and tp ranks only

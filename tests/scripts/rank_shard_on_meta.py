@@ -18,8 +18,8 @@ from fivefold.config import load_config
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model
 from fivefold.models.registry import model_spec
-from fivefold.parallel.pipeline import Pipeline
-from fivefold.parallel.tensor import apply_tensor_parallel
+from fivefold.parallel.pipeline.stages import Pipeline
+from fivefold.parallel.tensor.apply import apply_tensor_parallel
 
 
 def main() -> None:

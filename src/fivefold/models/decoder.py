@@ -214,6 +214,7 @@ class Transformer(nn.Module):
         device = self.inv_freq.device
         self.inv_freq = self.rope_frequencies().to(device)
 
+
 # The tied pair of `tie_embeddings`: the output layer's weight is the embedding matrix (copy -> source).
 TIED = {"output.weight": "tok_embeddings.weight"}
 

@@ -19,7 +19,7 @@ def decoder_block_plan(cfg: ModelConfig, index: int, qk_norm: bool) -> dict[str,
     """Attention: q/k/v split by heads, wo by its input; the whole sequence gathered in order
     (positions matter). Dense MLP: w1/w3 split by hidden units, w2 by its input; its input is
     gathered in any token order (it is per token). MoE layers keep their weights whole on every
-    tp rank and route each rank's own slice of the tokens (parallel/tensor.py; parallel/expert.py
+    tp rank and route each rank's own slice of the tokens (parallel/tensor/apply.py; parallel/expert/apply.py
     spreads their experts over ep)."""
     plan = {"attention": TP.WHOLE_SEQUENCE_IN, "attention.wq": TP.COLUMN, "attention.wk": TP.COLUMN,
             "attention.wv": TP.COLUMN, "attention.wo": TP.ROW_TO_SEQUENCE,

@@ -1,6 +1,6 @@
 """Mixture-of-Experts feed-forward: router, SwiGLU experts, optional shared experts.
 
-Still a plain single-device module. Two seams let parallel/expert.py spread the experts over ranks
+Still a plain single-device module. Two seams let parallel/expert/apply.py spread the experts over ranks
 without touching the math here:
 - `MoE.run_experts(tokens, counts)` computes the experts on tokens already sorted by expert;
   expert parallelism swaps it for all-to-all dispatch, the local experts, and all-to-all combine.
@@ -8,12 +8,12 @@ without touching the math here:
   *sequence* (GShard's "group" = one sequence), on the rank that holds the sequence, before any
   dispatch. A sequence never spans data-parallel ranks, micro-batches or pipeline stages, so every
   such layout makes the same decisions as the single process, without extra communication.
-  Context parallelism does split sequences: two hooks, set by parallel/context.py, make the
+  Context parallelism does split sequences: two hooks, set by parallel/context/apply.py, make the
   decisions those of the whole sequence (`sequence_sum` for the auxiliary loss, `sequence_pieces`
   for capacity); unset (None), this file computes everything from the tokens it is given.
   Tensor parallelism splits them once more: each tp rank routes only a contiguous slice of the
   rank's sequence, and two more hooks of the same kind (`slice_sum`, `slice_pieces`, set by
-  parallel/tensor.py) make the decisions those of the rank's sequence; `_nested` composes the
+  parallel/tensor/apply.py) make the decisions those of the rank's sequence; `_nested` composes the
   two levels, so tp alone, cp alone and both decide as the single process does.
 
 The auxiliary loss reaches the gradients without being added to the model's output: an autograd
@@ -40,6 +40,7 @@ from torch import nn
 from fivefold.config import ModelConfig, MoEConfig
 from fivefold.models.decoder import FeedForward
 from fivefold.models.moe_layout import is_moe_layer
+from fivefold.torch_internals import current_graph_task_id, grouped_mm, has_grouped_mm
 
 
 def moe_feed_forward(cfg: ModelConfig, index: int) -> nn.Module | None:
@@ -109,8 +110,8 @@ def grouped_swiglu(x, w1, w2, w3, counts: list[int]) -> torch.Tensor:
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     if grouped_mm_usable(x.device, dtype, x.shape[-1], w1.shape[1]):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        hidden = F.silu(torch._grouped_mm(x, w1.mT, offs=offsets)) * torch._grouped_mm(x, w3.mT, offs=offsets)
-        return torch._grouped_mm(hidden, w2.mT, offs=offsets)
+        hidden = F.silu(grouped_mm(x, w1.mT, offs=offsets)) * grouped_mm(x, w3.mT, offs=offsets)
+        return grouped_mm(hidden, w2.mT, offs=offsets)
     return looped_swiglu(x, w1, w2, w3, counts)
 
 
@@ -136,7 +137,7 @@ def grouped_mm_usable(device: torch.device, dtype: torch.dtype, dim: int, hidden
 @functools.cache
 def _grouped_mm_works(device_type: str, index, dtype: torch.dtype) -> bool:
     """Try it once per device and dtype on a tiny aligned problem, forward and backward."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not has_grouped_mm():
         return False
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
     # In a thread of its own: the first call may come from inside a recomputed (checkpointed) block,
@@ -151,7 +152,7 @@ def _try_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         x = torch.ones(3, 16, device=device, dtype=dtype, requires_grad=True)
         w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        out = torch._grouped_mm(x, w, offs=torch.tensor([1, 3], device=device, dtype=torch.int32))
+        out = grouped_mm(x, w, offs=torch.tensor([1, 3], device=device, dtype=torch.int32))
         out.backward(torch.ones_like(out))
         return bool(torch.allclose(out.float(), torch.full((3, 16), 16.0, device=device)))
     except (RuntimeError, NotImplementedError):
@@ -187,9 +188,9 @@ class RouterStats:
                            self.forwards + other.forwards)
 
 
-def _counts_for_stats() -> bool:
+def counts_for_stats() -> bool:
     # Not evaluation (no grad) and not a recomputation running inside a backward pass.
-    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+    return torch.is_grad_enabled() and current_graph_task_id() == -1
 
 
 EXPERTS = "experts"  # the attribute of MoE holding the stacked experts (expert parallelism splits it)
@@ -220,7 +221,7 @@ class MoE(nn.Module):
         aux = (sequence_aux_loss(scores.view(batch, seq, -1), indices.view(batch, seq, k), self.cfg,
                                  _chained(self.slice_sum, self.sequence_sum))
                if self.cfg.balance == "aux_loss" else None)
-        if _counts_for_stats():
+        if counts_for_stats():
             self._record(indices, keep, aux)
 
         # Assignments (token, slot) that survive capacity, sorted by expert (stable: same order in

@@ -28,7 +28,7 @@ from fivefold.models.init import Fill
 
 
 class TP:
-    """How tensor parallelism lays out a module (the styles parallel/tensor.py implements).
+    """How tensor parallelism lays out a module (the styles parallel/tensor/apply.py implements).
 
     Megatron's layout: a block's column-split projections (heads, hidden units) take the whole
     stream and its row-split projections' partial outputs are summed back into it, one all-reduce

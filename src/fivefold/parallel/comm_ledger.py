@@ -17,7 +17,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from fivefold.torch_internals import TorchDispatchMode, op_schema_name, resolve_process_group
 
 
 def _group_of(arg) -> tuple[str, int] | None:
@@ -32,16 +33,12 @@ def _group_of(arg) -> tuple[str, int] | None:
 
 
 def _functional_group_size(name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name).size()
+    return resolve_process_group(name).size()
 
 
 def group_ranks(name: str) -> tuple[int, ...]:
     """The sorted global ranks of a process group, by its name."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return tuple(sorted(dist.get_process_group_ranks(_resolve_process_group(name))))
+    return tuple(sorted(dist.get_process_group_ranks(resolve_process_group(name))))
 
 
 def _nbytes(tensors) -> int:
@@ -82,7 +79,7 @@ _ENTRIES: dict = {}  # operator overload -> (functional?, which arg, rule), or N
 
 
 def _entry(func):
-    namespace, name = func.namespace, func._schema.name.split("::")[-1]
+    namespace, name = func.namespace, op_schema_name(func).split("::")[-1]
     if namespace == "c10d" and name in _C10D:
         return (False, *_C10D[name])
     if namespace == "_c10d_functional" and name in _FUNCTIONAL:

@@ -16,8 +16,7 @@ from torch import nn
 
 from fivefold.models.init import Fill
 from fivefold.parallel.grad_norm import local_tensor
-from fivefold.parallel.shards import piece_origin
-from fivefold.parallel.state import module_persistent_buffers
+from fivefold.parallel.pieces import module_persistent_buffers, piece_origin
 
 
 def _shared_parameters(part: nn.Module) -> list[list[tuple[nn.Module, str]]]:

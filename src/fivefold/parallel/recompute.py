@@ -19,19 +19,20 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fivefold.models.spec import TP
-from fivefold.parallel.branch_split import split_branches
+from fivefold.plan.branch_split import split_branches
 from fivefold.parallel.stream_projection import keep_projection_inputs, project
+from fivefold.torch_internals import aten_op, has_aten_op
 
 _SAVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten_op("_scaled_dot_product_flash_attention").default,
+    aten_op("_scaled_dot_product_efficient_attention").default,
+    aten_op("_scaled_dot_product_flash_attention_for_cpu").default,
 }
-if hasattr(torch.ops.aten, "_grouped_mm"):  # the experts' matmuls (models/moe.py)
-    _SAVE.add(torch.ops.aten._grouped_mm.default)
+if has_aten_op("_grouped_mm"):  # the experts' matmuls (models/moe.py)
+    _SAVE.add(aten_op("_grouped_mm").default)
 # A block checkpointed whole saves its output projections' outputs too (recomputing them would
 # cost a matmul); a branch checkpointed on its own keeps their inputs instead (apply_recompute).
 _SAVE_WHOLE = _SAVE | {torch.ops.fivefold.stream_projection.default}
@@ -74,7 +75,7 @@ def apply_recompute(blocks: nn.ModuleDict, mode: str, block_plan=lambda index: {
     """Wrap each block for `mode`. `block_plan(index)` is the tensor-parallel plan of block `index`
     (module path -> style), which names the output projections; stream_split and compute_bytes
     (the ranks sharing the stream's tokens, the autocast dtype's size) decide whether the branches
-    are checkpointed apart (parallel/branch_split.py)."""
+    are checkpointed apart (plan/branch_split.py)."""
     if mode == "none":
         return
     for index, block in blocks.items():

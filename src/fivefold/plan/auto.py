@@ -10,7 +10,7 @@ worker rank loads the same config a hand-written layout would give it.
 The enumeration is the search's own (plan/search.py candidate_layouts: the same degrees, micro-batch
 sizes, schedules, ZeRO stages and recomputation, in the same order), given the keys the user fixed,
 which keep the user's values instead of taking the search's options; with every key free, the
-choice is the search's top pick among the layouts fivefold.validate accepts.
+choice is the search's top pick among the layouts fivefold.config.validate accepts.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fivefold.plan.memory import worst_rank_memory
 from fivefold.plan.search import (candidate_layouts, divisors, explain, field_options, layout_problem, memory_reason,
                                   rank)
 from fivefold.plan.workload import workload_from_config
-from fivefold.validate import validate
+from fivefold.config.validate import validate
 
 GB = 1e9
 # The keys a user may leave to the planner -> the Layout field each one sets.
@@ -35,7 +35,7 @@ AUTO_KEYS = {"parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "par
              "parallel.pp_virtual": "pp_virtual", "train.micro_batch": "mbs",
              "train.recompute": "recompute"}
 _FIELD_KEYS = {f: k for k, f in AUTO_KEYS.items()}
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")  # config.py's booleans
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")  # config/schema.py's booleans
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -163,7 +163,7 @@ def planning_config(cfg: Config) -> Config:
 def choose(cfg: Config, world: int, hw: Hardware, runtime: Runtime, free: frozenset[str],
            check=None, keep: int = 2) -> Choice:
     """The fastest layout of `world` ranks on `hw` that fits and that the training code accepts
-    (fivefold.validate, then `check(config)` for training-only rules, e.g. check_supported), with
+    (fivefold.config.validate, then `check(config)` for training-only rules, e.g. train/supported.py's check_supported), with
     at least the next `keep - 1` valid ones and the best of other degrees (Choice.valid).
     Raises ConfigError with the reason when there is none."""
     cfg = planning_config(cfg)

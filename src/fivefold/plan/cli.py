@@ -18,7 +18,7 @@ from fivefold.plan.report import plot_memory, table, to_json
 from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, search,
                                   smallest_fitting_cluster)
 from fivefold.plan.workload import workload_from_config
-from fivefold.validate import validate
+from fivefold.config.validate import validate
 
 USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--cluster.gpus_per_node 8]
                      [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]

@@ -175,7 +175,7 @@ def ep_bytes_per_moe_layer(layout: Layout, tokens_local: float, dim: int, top_k:
                            act_bytes: int) -> float:
     """Dispatch and combine, forward and backward: four all-to-alls of top_k copies of each
     token the rank routes (tokens_local: its 1/tp slice of the micro-batch's tokens under tp,
-    parallel/tensor.py), of which the (ep-1)/ep meant for the other members leave the rank;
+    parallel/tensor/apply.py), of which the (ep-1)/ep meant for the other members leave the rank;
     whether ep borrows tp ranks does not change that."""
     e = layout.ep
     return 0.0 if e == 1 else 4 * tokens_local * top_k * dim * act_bytes * (e - 1) / e

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from fivefold.plan import comm
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
-from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_activation_elements,
-                                  rank_param_counts, root_params, worst_rank_memory)
+from fivefold.plan.activations import rank_activation_elements
+from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_param_counts, root_params,
+                                  worst_rank_memory)
 from fivefold.plan.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
                                     pipeline_ranks)
 from fivefold.plan.workload import Workload
@@ -82,7 +83,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     shards = layout.tp * layout.cp
     achieved = hw.peak_flops * hw.matmul_efficiency
 
-    # MoE layers split their tokens over tp (parallel/tensor.py), as the rest splits its matmuls.
+    # MoE layers split their tokens over tp (parallel/tensor/apply.py), as the rest splits its matmuls.
     flops = sum(count * stats.layer_flops_per_token(layer, seq) for layer, count in groups)
     recomputed = 4 / 3 if layout.recompute == "full" else 1.0  # full recomputation: a second forward
     per_token = recomputed * flops / shards
@@ -114,7 +115,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     if (runtime.activation_recipe == "fivefold" and layout.tp > 1 and layout.sp and layout.recompute == "none"
             and not workload.keep_gathered):
         # Backward gathers each gathered input again from the shard its matmuls kept
-        # (parallel/sharded_inputs.py): attention's, a dense MLP's and the output layer's. (The
+        # (parallel/tensor/sharded_inputs.py): attention's, a dense MLP's and the output layer's. (The
         # nanotron profile's constants were fitted on its runs as they are.)
         n_tp += 2 * n_layers - n_moe + heads
     n_stream = 2 * prank.has_embedding + 2 * prank.has_output * stats.mtp_depth
@@ -130,7 +131,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     if layout.cp_method == "ring":
         cp_t = max(0.0, cp_t - attention)  # ring attention hides the passes behind its blocks
 
-    # Each tp rank routes its 1/tp of the micro-batch's tokens (parallel/tensor.py).
+    # Each tp rank routes its 1/tp of the micro-batch's tokens (parallel/tensor/apply.py).
     ep_one = comm.ep_bytes_per_moe_layer(layout, tokens_local / layout.tp, stats.dim, stats.top_k, pr.act_bytes)
     ep_b = n_moe * ep_one
     ep_t = n_moe * 4 * comm.all_to_all_time(ep_one / 4, links["ep"], hw)  # 4 exchanges/layer
@@ -159,7 +160,7 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     the updated weights after the step; ZeRO-2 keeps only a gradient shard, so it reduce-scatters
     every micro-batch; ZeRO-3 also gathers the weights twice per micro-batch. HSDP adds an
     all-reduce of the dense shard across replicas (expert weights are sharded over their whole
-    expert-data-parallel group, replicas included: parallel/zero.py, fsdp.py). Under ep the
+    expert-data-parallel group, replicas included: parallel/data/zero.py, fsdp.py). Under ep the
     experts' traffic runs on the edp group (comm.expert_links: dp·cp·tp/ep ranks, where mesh.py
     puts them), not on the dense weights' dp·cp group."""
     pr, order, gpn = workload.precision, workload.order, hw.gpus_per_node
@@ -253,7 +254,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
 
     # MLA's latent projections and norms run whole on every tp rank and their gradients are partial
     # sums: one fp32 all-reduce over tp per step, before the data-parallel reduction (grad_norm.py).
-    # So do an MoE layer's weights, whose tokens are split over tp (parallel/tensor.py): the router
+    # So do an MoE layer's weights, whose tokens are split over tp (parallel/tensor/apply.py): the router
     # and shared experts, and the routed experts at ep = 1 (under ep the expert-data-parallel
     # reduction, which spans the tp ranks holding the same experts, sums them: the dp term).
     moe_partial = stats.router_params + stats.shared_expert_params

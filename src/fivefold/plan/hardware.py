@@ -108,7 +108,7 @@ class Runtime:
     """
     # cuBLAS/NCCL workspaces and allocator fragmentation: memory no tensor of the model owns.
     fixed_bytes: float = 0.5 * GB
-    # Which implementation's activations to count (plan/memory.py): 'fivefold' (ours, measured on
+    # Which implementation's activations to count (plan/activations.py): 'fivefold' (ours, measured on
     # our runs) or 'nanotron' (the Playbook's runs, for benchmarks/planner_accuracy.py).
     activation_recipe: str = "fivefold"
     # 'nanotron' recipe: bytes per logit element held at the loss: bf16 logits (2), the fp32 copy
@@ -155,7 +155,7 @@ class Runtime:
     # matmuls of nn.Linear run, after the casts, than in bf16 (the FP8 peak is 2x).
     float8_linear_speedup: float = 1.0
     # torchtitan only (its PP + FSDP keeps blocks gathered across a step's micro-batches);
-    # fivefold gathers each block for every micro-batch's forward and backward (parallel/fsdp.py).
+    # fivefold gathers each block for every micro-batch's forward and backward (parallel/data/fsdp.py).
     fsdp_gather_once_in_pipeline: bool = False
     # The calibration's tokens/s error for this profile (median, 90th percentile of |pred/meas-1|),
     # printed as the uncertainty band beside every prediction.

@@ -15,9 +15,7 @@ from fivefold.config import Config, ConfigError
 RECOMPUTE = ("none", "selective", "full")
 
 
-# Pipeline schedules whose backward is split into input and weight passes (shared with training:
-# under them FSDP keeps blocks gathered from forward to backward, parallel/fsdp.py).
-SPLIT_BACKWARD_SCHEDULES = ("zb", "zbv", "dualpipev")
+from fivefold.config.schedules import SPLIT_BACKWARD_SCHEDULES  # noqa: E402,F401 - the planner's name for it
 
 
 @dataclass(frozen=True)
@@ -169,7 +167,7 @@ def layout_from_config(cfg: Config) -> Layout:
 
 def config_with_layout(cfg: Config, layout: Layout) -> Config:
     """A copy of cfg whose [parallel] and train.micro_batch/recompute say what the layout says,
-    so that fivefold.validate can check the layout with the training code's own rules."""
+    so that fivefold.config.validate can check the layout with the training code's own rules."""
     parallel = dataclasses.replace(
         cfg.parallel, dp=layout.dp, zero=layout.zero, tp=layout.tp, pp=layout.pp, cp=layout.cp,
         ep=layout.ep, pp_schedule=layout.pp_schedule, pp_virtual=layout.pp_virtual,

@@ -1,70 +1,18 @@
 """Bytes one rank holds at its peak: model state under each ZeRO stage / HSDP, activations under
 tp/sp/cp/recomputation and the pipeline schedule, logits, temporary buffers, runtime overhead.
-
-Activations come in two recipes (Runtime.activation_recipe):
-
-'fivefold' — what fivefold's own decoder block (models/decoder.py, every family) keeps, counted
-tensor by tensor on our runs with train/activation_probe.py and checked in
-tests/test_plan_activations.py (fp32 and bf16 autocast, tp/sp, cp, none/selective/full; llama,
-mixtral, qwen3, qwen3_moe). Per token of one micro-batch, a layer keeps, with S the residual-stream
-bytes (the fp32 weights' dtype), A the compute bytes (bf16 under autocast), s the sequence split (tp
-under sequence parallelism), t the tp degree, h the model width and q = heads x head_dim the width of
-the queries and of the attention output (h unless head_dim is explicit, as in Qwen3):
-  each RMSNorm: its input and the normalised x·rstd, 2h/s x S, and rstd (fp32, 1/s)
-  the norm output, cast once to A (models/decoder.py) and saved by the matmuls that read it: h x A,
-      full sequence (gathered) under sequence parallelism
-  attention: q and k after RoPE, v, the output (q + kv + kv + q)/t x A, logsumexp (fp32 per head);
-      under context parallelism also the output's contiguous copy that the output projection
-      reads, q/t x A (ring and Ulysses attention return it head-major)
-  per-head q/k RMSNorm (Qwen3): its input and x·rstd, both fp32 (a bf16 input is upcast first and
-      the copy kept), and rstd per head: (2(q + kv) x 4 + 4 (heads + kv heads))/t
-  latent attention (MLA, deepseek_v3; measured on tiny-deepseek-v3): q and k are heads x (nope +
-      rope) wide, v and the output heads x v_head_dim; the latent norms (q_lora_rank, kv_lora_rank)
-      run whole on every tp rank on the gathered sequence and keep, like the q/k norms, their fp32
-      input and x·rstd, rstd and their output in A; 'selective' keeps the latent down-projections'
-      outputs (kv's with the shared RoPE key) and q_b's and kv_b's instead of q, k, v. Where the
-      device has no fused kernel for the shape (CPU: v_head_dim != q/k's), SDPA's math path keeps
-      fp32 copies of q, k, v and the fp32 softmax (heads x every key), and ring attention's plain
-      path, under 'selective', its fp32 score tiles
-  MLP: gate and up outputs, silu(gate), silu(gate)·up: 4f/t x A
-  MoE instead (weights replicated over tp, tokens split: each tp rank routes 1/t of them, so
-      every term below is /t; the ffn norm's output is then read locally, h/t, not gathered):
-      the k dispatched copies of each token, their expert output and
-      its weighted copy 3kh, each copy's SwiGLU 4kf (x A), shared experts' SwiGLU, the routing
-      bookkeeping (fp32 scores, int64 top-k and sort indices: 4E + 41k bytes)
-'selective' keeps the block input and the outputs of the matmuls and attention (q, k, v and the
-attention output, and the row-parallel outputs whole, h x A, before their reduce-scatter; ring
-attention's cp kernels each keep their output and lse, all queries' on the last cp rank) — or, where
-that is smaller (parallel/branch_split.py: tp ≥ 4 for Llama shapes), checkpoints the two residual
-branches apart and keeps the stream between them (h/s x S) and the output projections' inputs (the
-attention output, and the SwiGLU product f/t x A) instead of their whole outputs; 'full'
-keeps the block input. Per micro-batch the forward also keeps the RoPE tables (fp32 cos and sin,
-seq/cp x head_dim each); the last stage keeps the final norm, the fp32 log-softmax of the logits and
-the int64 labels. The weights' compute-dtype copies are model state ('other'), not activations.
-
-'nanotron' — Korthikanti et al. 2022 (arXiv 2205.05198) as the Playbook's nanotron runs keep it,
-for benchmarks/planner_accuracy.py. Per token of one micro-batch, a layer saves:
-  both RMSNorm inputs and both norm outputs                 4h  (split across tp only under
-      sequence parallelism, where the column-parallel matmuls re-gather their input in backward)
-  q, k and v q + 2 kv_dim, attention output q, logsumexp    split across tp
-  implementation copies: the attention output again (the contiguous copy the output projection
-      reads) and q, k before RoPE (kept alive by the fused QKV output they are views of)  3q
-  MLP: gate and up 2f, silu(gate) f, silu(gate)*up f        split across tp
-(an unfused attention also keeps the a x s softmax). 'selective' recomputes the norms and the
-activation function (drops the norm outputs and silu(gate)); 'full' keeps only each layer's input
-and recomputes one layer at a time during backward. The speed model's elementwise-traffic term
-uses this count in every recipe (it was calibrated with it).
+Activations are counted in plan/activations.py.
 """
+
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivefold.parallel.branch_split import split_branches
+from fivefold.plan.activations import activation_bytes
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
-from fivefold.plan.schedule import PipelineRank, in_flight_per_chunk, outputs_held, pipeline_ranks
+from fivefold.plan.schedule import PipelineRank, pipeline_ranks
 from fivefold.plan.workload import Workload
 
 
@@ -93,7 +41,7 @@ class MemoryBreakdown:
 
 def layer_param_counts(stats: ModelStats, layout: Layout, layer: int) -> tuple[float, float]:
     """(dense, expert) parameters of one layer held by one rank. A MoE layer's weights are
-    replicated over tp (parallel/tensor.py; its tokens are split): each tp rank holds the router,
+    replicated over tp (parallel/tensor/apply.py; its tokens are split): each tp rank holds the router,
     the shared experts and its ep share of the routed experts whole; so does latent attention its
     down-projections and their norms."""
     t = layout.tp
@@ -148,7 +96,7 @@ def sharded_params(layout: Layout, dense: float, experts: float) -> float:
 
 
 def master_chunk_bytes(workload: Workload, layout: Layout, dense: float, experts: float) -> float:
-    """The fp32 master copy of the owned chunk that ZeRO-1/2 keep (parallel/zero.py): held from
+    """The fp32 master copy of the owned chunk that ZeRO-1/2 keep (parallel/data/zero.py): held from
     construction on, unlike gradients and moments."""
     if layout.zero not in (1, 2):
         return 0.0
@@ -163,7 +111,7 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
     z = layout.zero
     masters = master_chunk_bytes(workload, layout, dense, experts)
     # ZeRO-1 keeps the whole gradients until the step and receives its reduced chunk (fp32, the
-    # size of the master chunk) beside them (parallel/zero.py); ZeRO-2's chunks are its only gradients.
+    # size of the master chunk) beside them (parallel/data/zero.py); ZeRO-2's chunks are its only gradients.
     chunk_grads = masters if z == 1 else 0
     return {
         "params": pr.param_bytes * (sharded if z >= 3 else whole),
@@ -173,216 +121,6 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
 
 
 # ---------------------------------------------------------------------------------- activations
-
-def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq_len: int,
-                              recompute: str, fused_attention: bool) -> float:
-    """Activation elements one layer saves per token of one micro-batch on one rank."""
-    h, q, kv, t, cp = stats.dim, stats.q_dim, stats.kv_dim, layout.tp, layout.cp
-    seq_split = t if (t > 1 and layout.sp) else 1
-    if recompute == "full":
-        return h / seq_split  # the layer input only
-    norms_in, norms_out = 2 * h / seq_split, 2 * h / seq_split  # norms_out: the matmul inputs
-    # q, k, v, output, fp32 logsumexp (2 bf16 units per head), and the 3q of copies (docstring)
-    attention = (2 * q + 2 * kv + 3 * q) / t + 2 * stats.n_heads / t
-    if not fused_attention:
-        attention += stats.n_heads * seq_len / cp / t  # the softmax over all keys
-    if stats.is_moe(layer):
-        f = stats.expert_params / (3 * h)  # expert ffn width
-        k, n_shared = stats.top_k, stats.shared_expert_params / stats.expert_params
-        # each token's top_k copies: dispatched input h and combined output h, plus the SwiGLU
-        # of every routed and shared expert it visits; router scores (fp32) per token
-        mlp = (k * (2 * h + 4 * f) + n_shared * 4 * f) / t + 2 * stats.n_experts / t  # tokens split over tp
-        silu = (k + n_shared) * f / t
-    else:
-        mlp = 4 * stats.ffn_dim / t
-        silu = stats.ffn_dim / t
-    total = norms_in + norms_out + attention + mlp
-    if recompute == "selective":
-        total -= norms_out + silu
-    return total
-
-
-def rank_activation_elements(stats: ModelStats, prank: PipelineRank, layout: Layout, seq_len: int,
-                             recompute: str, fused_attention: bool) -> float:
-    """Sum over the rank's layers of layer_activation_elements (the 'nanotron' count)."""
-    return sum(count * layer_activation_elements(stats, layer, layout, seq_len, recompute,
-                                                 fused_attention)
-               for layer, count in prank.kinds)
-
-
-def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len: int, recompute: str,
-                         precision, fused_attention: bool, keep_gathered: bool = False) -> float:
-    """Bytes one of fivefold's blocks keeps per token of one micro-batch on one rank (docstring).
-    keep_gathered: parallel.sp_keep_gathered (else, with sp and no recomputation, the matmuls
-    reading the gathered sequence keep its shard: parallel/sharded_inputs.py)."""
-    h, t = stats.dim, layout.tp
-    s = t if (t > 1 and layout.sp) else 1
-    S, A = precision.param_bytes, precision.act_bytes
-    # What a norm's output costs as the matmuls that read it keep it: the gathered sequence, or
-    # under sharded_inputs.py its shard.
-    gathered = h / s * A if (s > 1 and recompute == "none" and not keep_gathered) else h * A
-    if recompute == "full":
-        return h / s * S
-    if stats.is_moe(layer):  # tokens split over tp (parallel/tensor.py): each rank routes 1/t of them
-        f = stats.expert_params / (3 * h)
-        k, n_experts = stats.top_k, stats.n_experts
-        n_shared = stats.shared_expert_params / stats.expert_params
-        mlp = ((3 * k * h + 4 * k * f + n_shared * 4 * f) * A
-               + 4 * n_experts + 41 * k + 4) / t  # routing bookkeeping: scores, top-k, sort (int64)
-        # The router reads the ffn norm's output locally (h/t), not gathered whole as `norms` counts.
-        mlp -= gathered - h / t * A
-        mlp_selective = (k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A / t
-    else:
-        mlp = 4 * stats.ffn_dim / t * A
-        mlp_selective = (2 * stats.ffn_dim / t + h) * A  # gate and up outputs, the down projection's whole output
-    attention = fivefold_attention_bytes(stats, layout, seq_len, recompute, A, fused_attention)
-    if recompute == "selective":
-        o = stats.o_dim / t
-        projection_inputs = [o] if stats.is_moe(layer) else [o, stats.ffn_dim / t]
-        if not split_branches(h, s, S, A, projection_inputs):  # + the output projection's whole output
-            return h / s * S + attention + h * A + mlp_selective
-        # Branches checkpointed apart (parallel/branch_split.py): the stream between them, and the
-        # projections' inputs instead of their outputs: the attention output (kept already, but for
-        # the contiguous copy the projection reads under cp or the math path) and the SwiGLU product.
-        math = not fused_attention and not (layout.cp_method == "ring" and layout.cp > 1)
-        copy = o * A if (layout.cp > 1 or math) else 0
-        if not stats.is_moe(layer):
-            mlp_selective += (stats.ffn_dim / t - h) * A
-        return 2 * h / s * S + attention + copy + mlp_selective
-    norms = 2 * (2 * h / s * S + 4 / s + gathered)  # + each output in A, as the matmuls read it
-    return norms + attention + mlp
-
-
-def fivefold_attention_bytes(stats: ModelStats, layout: Layout, seq_len: int, recompute: str, A: int,
-                             fused: bool) -> float:
-    """Bytes the attention sub-layer keeps per token ('none' or 'selective'; docstring), q/k/v/o
-    the rank's widths of the queries, keys, values and attention output."""
-    t, cp, ring = layout.tp, layout.cp, layout.cp_method == "ring"
-    q, k, v, o = stats.q_dim / t, stats.kv_dim / t, stats.v_dim / t, stats.o_dim / t
-    heads = stats.n_heads / t
-    # Unfused (no kernel for this shape on this device): SDPA's math path and ring attention's
-    # plain one (parallel/attention_blocks.py) compute in fp32 and hold fp32 scores of every key
-    # (Ulysses: all heads' share of the whole sequence); under ring each rank holds its own square
-    # block and half of each of the other cp-1 (the zigzag split).
-    math = not fused and not (ring and cp > 1)
-    scores = 4 * heads * (seq_len if not ring else seq_len / cp * (cp + 1) / 2)
-    kernel_out = o * A + 4 * heads  # the kernel's output and its fp32 logsumexp
-    latent = stats.q_lora_rank + stats.kv_lora_rank  # MLA's latents (whole over tp, all tokens)
-    if recompute == "selective":
-        # The matmuls' outputs: q, k, v, or MLA's latent projections (kv's with the shared RoPE key)
-        # and the head-split q and kv_b's (k's non-RoPE part and v); every attention kernel's
-        # output: ring attention runs cp of them, and the last cp rank runs each over all its queries.
-        projections = q + k + v
-        if stats.kv_lora_rank:
-            projections += latent + stats.rope_dim - stats.n_heads * stats.rope_dim / t
-        if math:
-            return projections * A + scores + 4 * o  # the fp32 scores and their product with v
-        kernels = cp if ring else 1
-        return projections * A + kernels * kernel_out + (0 if fused else scores)
-    if math:  # fp32 copies of q and k (scaled) and v, the softmax, no logsumexp
-        attention = 4 * (q + k + v) + scores
-    else:
-        attention = (q + k + v) * A + kernel_out
-    if stats.qk_norm:  # the per-head norms' fp32 input and x·rstd, rstd per head
-        attention += 2 * (q + k) * 4 + 4 * (stats.n_heads + stats.n_kv_heads) / t
-    if stats.kv_lora_rank:  # each latent norm: fp32 input and x·rstd, rstd, the output in A
-        attention += (8 + A) * latent + 4 * (2 if stats.q_lora_rank else 1)
-        if A == 4:  # no upcast copy: the kv norm's input is a view of kv_a's output, k_pe's too
-            attention += 4 * stats.rope_dim
-    if cp > 1 or math:  # the output projection reads a contiguous copy of the head-major output
-        attention += o * A
-    return attention
-
-
-def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recompute: str,
-                           hw: Hardware, runtime: Runtime) -> float:
-    """Bytes one layer keeps per token of one micro-batch, in the runtime's recipe."""
-    stats, seq = workload.stats, workload.seq_len
-    if runtime.activation_recipe == "fivefold":
-        return fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
-                                    hw.fuses_attention(stats), workload.keep_gathered)
-    return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fuses_attention(stats))
-            * workload.precision.act_bytes)
-
-
-def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[float, float, float]:
-    """Per token at the last stage: (final norm kept per micro-batch, logits kept for the last
-    micro-batch, logits' gradient at the start of backward)."""
-    stats, pr = workload.stats, workload.precision
-    s = layout.tp if (layout.tp > 1 and layout.sp) else 1
-    vocab = stats.vocab_size / layout.tp
-    if runtime.activation_recipe == "fivefold":
-        # norm input and x·rstd, rstd, the output layer's input (gathered under sp: its shard
-        # where sharded_inputs.py applies); the fp32 log-softmax of the vocab-parallel logits; in
-        # backward their fp32 and A gradients.
-        sharded = s > 1 and layout.recompute == "none" and not workload.keep_gathered
-        norm = 2 * stats.dim / s * pr.param_bytes + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
-        return norm, 4 * vocab + 8, (4 + pr.act_bytes) * vocab  # + the int64 labels
-    return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0
-
-
-def mtp_block_bytes(workload: Workload, layout: Layout, head_norm: float) -> float:
-    """Per token, what one multi-token-prediction block keeps beyond a layer of its kind (counted
-    with the layers) and its logits (counted with the output's). Without recomputation: its input
-    norms (the embedding's input and x·rstd, the stream's x·rstd: the stream itself is the final
-    norm's input), eh_proj's input (both halves) and the head norm as the final norm keeps it
-    (`head_norm`). Recomputed, the block's checkpoint keeps the embedding, which the layer's own
-    count (its input) stands for, its other input being the final norm's; and the output layer
-    keeps its input."""
-    stats, pr = workload.stats, workload.precision
-    s = layout.tp if (layout.tp > 1 and layout.sp) else 1
-    if layout.recompute == "none":
-        return (3 * stats.dim * pr.param_bytes + 2 * stats.dim * pr.act_bytes + 8) / s + head_norm
-    return stats.dim * pr.act_bytes
-
-
-def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, rank: int,
-                     micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
-    """(saved activations at the peak, transient working memory) of one pipeline rank: each chunk
-    (pipeline stage) of the rank holds its in-flight micro-batches (plan/schedule.py)."""
-    tokens = layout.mbs * workload.seq_len / layout.cp  # tokens of one micro-batch on this rank
-    fivefold = runtime.activation_recipe == "fivefold"
-    counts = in_flight_per_chunk(layout, rank, micro_batches)
-    # Layers of a kind (dense, MoE) keep the same: computed once per kind.
-    per_kind = {workload.stats.is_moe(layer): layer_activation_bytes(workload, layer, layout, layout.recompute,
-                                                                     hw, runtime)
-                for layer, _ in prank.kinds}
-    s = layout.tp if (layout.tp > 1 and layout.sp) else 1
-    stream = workload.stats.dim / s * workload.precision.param_bytes  # one stage output, per token
-    saved = 0.0
-    for count, layers, sends in zip(counts, prank.chunks, prank.sends):
-        saved += count * tokens * sum(per_kind[workload.stats.is_moe(i)] for i in layers)
-        if fivefold and layers:
-            # Each micro-batch's RoPE tables: fp32 cos and sin of its local positions (one per
-            # sequence position, shared by the batch).
-            saved += count * 2 * 4 * workload.seq_len / layout.cp * workload.stats.rope_dim
-        if fivefold and sends:  # the outputs sent on, until the send is known done
-            saved += outputs_held(layout, count, micro_batches) * tokens * stream
-    # The backward of one layer materialises gradients about as large as what that layer saved;
-    # under full recomputation it first rebuilds that layer's activations as well.
-    biggest = max((layer_activation_bytes(workload, layer, layout, "none", hw, runtime)
-                   for layer, _ in prank.kinds), default=0.0)
-    working = biggest * tokens * (2 if layout.recompute == "full" else 1)
-    if prank.has_output:
-        last = counts[-1]  # the last stage is the rank's last chunk
-        norm, logits, logits_grad = output_bytes(workload, layout, runtime)
-        # Multi-token prediction's blocks each end in the shared output layer and a loss of their own.
-        depth = workload.stats.mtp_depth
-        if depth:
-            norm += depth * mtp_block_bytes(workload, layout, norm)
-            logits *= 1 + depth
-        # Each in-flight micro-batch's final norm and loss graph; a split backward's input pass
-        # (run right after the last stage's forward) frees the graph above the output layer's
-        # weight, the log-softmax with it: only the newest micro-batch's is held.
-        saved += (norm * last + logits * (min(last, 1) if layout.split_backward else last)) * tokens
-        if fivefold and layout.pp > 1:
-            # The schedule holds the newest micro-batch's logits (A x vocab/t) until its next forward.
-            saved += workload.precision.act_bytes * workload.stats.vocab_size / layout.tp * tokens
-        working += logits_grad * tokens
-    return saved, working
-
-
-# ----------------------------------------------------------------------------------------- total
 
 def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                 prank: PipelineRank, rank: int) -> MemoryBreakdown:
@@ -403,7 +141,7 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
             # PyTorch's pipeline stage reduce-scatters once, after the step's last backward: the
             # stage's unsharded gradients accumulate until then.
             other += (dense + experts) * pr.reduce_bytes
-        if layout.split_backward:  # blocks stay gathered from forward to backward (fsdp.py)
+        if layout.split_backward:  # blocks stay gathered from forward to backward (parallel/data/fsdp.py)
             other += (dense + experts) * pr.param_bytes
     return MemoryBreakdown(params=state["params"], grads=state["grads"],
                            optimizer=state["optimizer"], activations=saved, other=other,

@@ -1,4 +1,4 @@
-"""What `fivefold plan` prints: a readable table, the JSON of the contract (DESIGN.md, Planner),
+"""What `fivefold plan` prints: a readable table, the JSON of the contract (docs/design.md, Planner),
 and a stacked-bar plot of the memory of the top layouts."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fivefold.parallel.pipeline_split import balanced_layer_counts
+from fivefold.plan.stage_split import balanced_layer_counts
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
 
@@ -149,7 +149,7 @@ def in_flight_per_chunk(layout: Layout, rank: int, micro_batches: int) -> tuple[
 
 
 def outputs_held(layout: Layout, in_flight: int, micro_batches: int) -> int:
-    """Stage outputs a sending chunk still holds at the peak (parallel/pipeline.py): each in-flight
+    """Stage outputs a sending chunk still holds at the peak (parallel/pipeline/stages.py): each in-flight
     micro-batch's until its backward has run; under Schedule1F1B, which lets go of a send one
     micro-batch later, the newest output, the one before and, once the steady phase has begun, the
     last warm-up send but one, whose work it keeps to the end."""

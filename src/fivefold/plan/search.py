@@ -20,7 +20,7 @@ from fivefold.plan.layout import Layout, config_with_layout
 from fivefold.plan.memory import worst_rank_memory
 from fivefold.plan.schedule import chunks_per_rank, parse_pp_layers
 from fivefold.plan.workload import Workload
-from fivefold.validate import ignored_options, validate
+from fivefold.config.validate import ignored_options, validate
 
 GB = 1e9
 RECOMPUTE_ORDER = ("none", "selective", "full")  # fastest first
@@ -47,7 +47,7 @@ def layout_problem(cfg: Config, workload: Workload, layout: Layout, world: int |
                    full_check: bool = True) -> str | None:
     """Why this layout cannot run at all (one sentence), or None.
 
-    full_check runs the training code's own rules (fivefold.validate) on the config with this
+    full_check runs the training code's own rules (fivefold.config.validate) on the config with this
     layout; the search enumerates only layouts that already satisfy the divisibility rules, so
     it checks just what depends on the batch and the pipeline, and validates its winners."""
     if full_check:
@@ -57,11 +57,11 @@ def layout_problem(cfg: Config, workload: Workload, layout: Layout, world: int |
             return str(err)
     p, v = layout.pp, chunks_per_rank(layout)
     m = layout.micro_batches(workload.global_batch)
-    if layout.split_backward and layout.recompute == "selective":  # fivefold.validate's rule
+    if layout.split_backward and layout.recompute == "selective":  # fivefold.config.validate's rule
         return (f"pp_schedule={layout.pp_schedule} splits each backward in two, which selective "
                 "recomputation cannot run; use recompute=full or none with it")
     stats = workload.stats
-    if layout.split_backward and stats.mtp_depth and stats.tie_embeddings:  # fivefold.validate's rule
+    if layout.split_backward and stats.mtp_depth and stats.tie_embeddings:  # fivefold.config.validate's rule
         return (f"pp_schedule={layout.pp_schedule} cannot run multi-token prediction with tied embeddings "
                 "(PyTorch's split weight pass); use 1f1b or interleaved_1f1b")
     if layout.pp_layers:
@@ -155,7 +155,7 @@ def without_ignored(layout: Layout) -> Layout:
 
 def _schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
     """(pp_schedule, pp_virtual) pairs to try: two stages per rank for the schedules that need
-    them (fivefold.validate's rule; one for parallel/pipeline_split.py's SINGLE_STAGE_SCHEDULES),
+    them (fivefold.config.validate's rule; one for plan/stage_split.py's SINGLE_STAGE_SCHEDULES),
     unless pp_virtual is fixed."""
     if pp == 1:
         return [(fixed.get("pp_schedule", "1f1b"), fixed.get("pp_virtual", 1))]

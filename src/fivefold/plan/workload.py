@@ -25,7 +25,7 @@ class Precision:
 
 PRECISIONS = {
     # fivefold's trainer: fp32 weights under bf16 autocast. Weights 4 + gradients 4 + Adam 8 = 16;
-    # ZeRO-1/2 also keep an fp32 master of their chunk (parallel/zero.py); autocast keeps bf16
+    # ZeRO-1/2 also keep an fp32 master of their chunk (parallel/data/zero.py); autocast keeps bf16
     # copies of the weights for backward. Gradients are reduced in fp32.
     "bf16": Precision("bf16", 4, 4, 0, 8, 4, 2, shard_master_bytes=4, cast_bytes=2),
     # Megatron / nanotron (the Playbook's runs): bf16 weights 2 + bf16 gradients 2 + fp32
@@ -43,7 +43,7 @@ class Workload:
     global_batch: int
     precision: Precision
     order: tuple[str, ...] = ("pp", "dp", "cp", "tp")  # outermost first
-    keep_gathered: bool = False  # parallel.sp_keep_gathered (plan/memory.py)
+    keep_gathered: bool = False  # parallel.sp_keep_gathered (plan/activations.py)
 
     @property
     def tokens_per_step(self) -> int:

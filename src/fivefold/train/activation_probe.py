@@ -1,6 +1,6 @@
 """Measure what one micro-batch's forward keeps for backward, on this rank, in bytes.
 
-The planner predicts activation bytes (plan/memory.py); this is the measurement it is checked
+The planner predicts activation bytes (plan/activations.py); this is the measurement it is checked
 against. While the forward and the loss run, a dispatch mode holds on to the storage of every
 tensor an operator creates; at the end, the storages that something else still references
 (autograd's saved tensors, what activation checkpointing keeps, the logits for the loss) are
@@ -17,23 +17,24 @@ peak over a whole step is train/pipeline_probe.py's measurement, with this modul
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+
+from fivefold.torch_internals import (TorchDispatchMode, aten_op, is_traceable_wrapper_subclass, storage_use_count,
+                                      tree_leaves)
 
 
-def _plain_tensors(tensor: torch.Tensor):
+def plain_tensors(tensor: torch.Tensor):
     """The plain tensors holding a tensor's data: a DTensor's (or an async collective result's)
     local tensor; the mode sees the subclass, not the local operators inside it."""
     if not isinstance(tensor, torch.Tensor):
         return
     if is_traceable_wrapper_subclass(tensor):
         for name in tensor.__tensor_flatten__()[0]:
-            yield from _plain_tensors(getattr(tensor, name, None))
+            yield from plain_tensors(getattr(tensor, name, None))
     elif tensor.device.type != "meta":
         yield tensor
 
 
-class _Created(TorchDispatchMode):
+class Created(TorchDispatchMode):
     """Holds the storage of every tensor an operator returns (one reference each). A cast of a
     parameter goes to `casts` instead: held too (so that no later storage can take its address),
     never counted."""
@@ -44,15 +45,16 @@ class _Created(TorchDispatchMode):
         self.parameters = parameters
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.casts: dict[int, torch.UntypedStorage] = {}
+        self.to_copy = aten_op("_to_copy").default
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        weight_cast = func is torch.ops.aten._to_copy.default and any(
-            t.untyped_storage().data_ptr() in self.parameters for t in _plain_tensors(args[0]))
+        weight_cast = func is self.to_copy and any(
+            t.untyped_storage().data_ptr() in self.parameters for t in plain_tensors(args[0]))
         for leaf in tree_leaves(out):
             if not isinstance(leaf, torch.Tensor):
                 continue
-            for tensor in _plain_tensors(leaf):
+            for tensor in plain_tensors(leaf):
                 storage = tensor.untyped_storage()
                 ptr = storage.data_ptr()
                 if ptr in self.existing or ptr in self.casts or not storage.nbytes():
@@ -65,7 +67,7 @@ class _Created(TorchDispatchMode):
 
     def kept_bytes(self) -> int:
         # One reference is ours: a storage someone else also holds is kept for backward.
-        return sum(s.nbytes() for s in self.storages.values() if torch._C._storage_Use_Count(s._cdata) > 1)
+        return sum(s.nbytes() for s in self.storages.values() if storage_use_count(s) > 1)
 
 
 def forward_kept_bytes(par, batch: torch.Tensor, autocast) -> int:
@@ -80,7 +82,7 @@ def forward_kept_bytes(par, batch: torch.Tensor, autocast) -> int:
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             parameters.add(local.untyped_storage().data_ptr())
     existing |= parameters
-    mode = _Created(existing, parameters)
+    mode = Created(existing, parameters)
     with mode, autocast():
         loss = par.forward_loss(inputs, labels, positions)
     kept = mode.kept_bytes()

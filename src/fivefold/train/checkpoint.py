@@ -9,7 +9,7 @@ A checkpoint is a folder `step_NNNNNNNN/` under the checkpoint root:
   config.toml              the whole config that produced it (for people; not read back)
   .fivefold-checkpoint     the marker: only folders holding it are ever deleted (pruning, cleanup)
 No rank ever holds a whole tensor it does not train with; any layout reads any checkpoint by
-asking for its own pieces (parallel/shards.py). Nothing is unpickled on load but DCP's metadata,
+asking for its own pieces (train/state_boxes.py). Nothing is unpickled on load but DCP's metadata,
 through an allow-list of its own classes; tensors load with weights_only.
 
 Atomicity: all ranks write into a hidden temporary folder; rank 0 adds state.json, renames the
@@ -102,7 +102,7 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
 
     Each rank writes only its own pieces. With checkpoint.async_save, the pieces are copied to
     host memory and written by a background thread while training continues."""
-    from fivefold.parallel.shards import StateBoxes, optimizer_step
+    from fivefold.train.state_boxes import StateBoxes, optimizer_step
 
     root = checkpoint_root(cfg)
     wait_for_save()  # one write at a time, in step order
@@ -216,24 +216,24 @@ def resolve(cfg: Config) -> Path | None:
     if restart_count() > 0:
         root = checkpoint_root(cfg)
         if root is not None and (root / LATEST).is_file():
-            return _follow_latest(root)
+            return follow_latest(root)
     if mode == "none":
         return None
     if mode == "auto":
         root = checkpoint_root(cfg)
         if root is None or not (root / LATEST).is_file():
             return None
-        return _follow_latest(root)
+        return follow_latest(root)
     path = Path(mode)
     if (path / "state.json").is_file():
         return path
     if (path / LATEST).is_file():
-        return _follow_latest(path)
+        return follow_latest(path)
     raise ConfigError(f"checkpoint.resume='{mode}' is not a checkpoint: it has no state.json and no "
                       "'latest' marker; pass a step_N folder, a checkpoint root, 'auto' or 'none'")
 
 
-def _follow_latest(root: Path) -> Path:
+def follow_latest(root: Path) -> Path:
     name = (root / LATEST).read_text().strip()
     path = root / name
     if not (path / "state.json").is_file():
@@ -292,10 +292,10 @@ def changed_training_keys(state: dict, cfg: Config) -> list[str]:
             + _changed(saved_training, {k: now[k] for k in TRAINING_KEYS}, "model"))
 
 
-def _expected(cfg_model, with_optimizer: bool) -> dict[str, tuple]:
+def expected_tensors(cfg_model, with_optimizer: bool) -> dict[str, tuple]:
     """Checkpoint key -> whole shape this model needs (from a meta-device model: no memory)."""
     from fivefold.models import build_meta_model
-    from fivefold.parallel.state import expected_shapes
+    from fivefold.train.state_shapes import expected_shapes
 
     model = build_meta_model(cfg_model)
     shapes = expected_shapes(model)
@@ -310,11 +310,11 @@ def _expected(cfg_model, with_optimizer: bool) -> dict[str, tuple]:
 def read_tensors(path: Path, cfg_model=None, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """Whole tensors of a checkpoint whose keys start with `prefix` (the prefix dropped), in one
     process (conversion, inspection, tests); checked against `cfg_model` first when given."""
-    from fivefold.parallel.state import check_shapes
+    from fivefold.train.state_shapes import check_shapes
 
     stored, dtypes = sharded_io.shapes(path), sharded_io.dtypes(path)
     if cfg_model is not None:
-        check_shapes(path, stored, _expected(cfg_model, with_optimizer=False), "model")
+        check_shapes(path, stored, expected_tensors(cfg_model, with_optimizer=False), "model")
     tensors = {k: sharded_io.whole(torch.empty(shape, dtype=dtypes[k])) for k, shape in stored.items()
                if k.startswith(prefix)}
     sharded_io.load(tensors, path, single_process=True)
@@ -324,14 +324,14 @@ def read_tensors(path: Path, cfg_model=None, prefix: str = "model/") -> dict[str
 def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     """Restore everything from checkpoint `path`; returns the step to continue from.
     Collective: every rank reads the pieces its own layout needs."""
-    from fivefold.parallel.shards import StateBoxes
-    from fivefold.parallel.state import check_shapes
+    from fivefold.train.state_boxes import StateBoxes
+    from fivefold.train.state_shapes import check_shapes
 
     state = read_state(path)
     check_model(path, state, cfg)
     weights_only = bool(state.get("weights_only"))  # imported weights (fivefold convert)
     stored = sharded_io.shapes(path)
-    check_shapes(path, stored, _expected(cfg.model, with_optimizer=not weights_only),
+    check_shapes(path, stored, expected_tensors(cfg.model, with_optimizer=not weights_only),
                  "model" if weights_only else "model or optimizer")
     boxes = StateBoxes(par)
     tensors = boxes.model(for_load=True)

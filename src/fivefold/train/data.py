@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from fivefold.config import ConfigError, DataConfig
-from fivefold.validate_data import check_documents
+from fivefold.config.validate_data import check_documents
 from fivefold.models.documents import document_positions
-from fivefold.parallel.context import DocumentWindows
+from fivefold.parallel.context.apply import DocumentWindows
 from fivefold.train.mixture import GlobalBatches, parse_mix
 from fivefold.train.permutation import permute
 from fivefold.train.readers import SUFFIXES, file_documents, folder_files

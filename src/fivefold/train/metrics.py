@@ -1,6 +1,6 @@
 """What a step reports: console progress, `metrics.jsonl`, TensorBoard; the devices' peak for MFU.
 
-Only rank 0 writes. Each metrics.jsonl line is one optimizer step (DESIGN.md "Run directory").
+Only rank 0 writes. Each metrics.jsonl line is one optimizer step (docs/design.md "Run directory").
 MFU itself is the planner's formula (ModelStats.mfu: active parameters, so MoE counts the experts
 a token visits), with the peak from the planner's table (plan/hardware.py).
 """

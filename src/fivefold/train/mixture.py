@@ -14,27 +14,9 @@ import numpy as np
 import torch
 
 from fivefold.config import ConfigError
+from fivefold.config.validate_data import parse_mix  # noqa: F401 - data.mix, parsed where validation reads it
 
 BLOCK = 4096
-
-
-def parse_mix(mix: str) -> list[tuple[str, float]]:
-    """'DIR_A:0.7,DIR_B:0.3' -> [(DIR_A, 0.7), (DIR_B, 0.3)] (weights normalised to sum to 1)."""
-    entries = []
-    for part in mix.split(","):
-        folder, sep, weight = part.strip().rpartition(":")
-        try:
-            value = float(weight)
-        except ValueError:
-            value = float("nan")
-        if not sep or not folder or not value > 0:
-            raise ConfigError(f"data.mix entry '{part.strip()}' must be FOLDER:WEIGHT with a weight > 0, "
-                              "e.g. data.mix = \"web:0.7,code:0.3\"")
-        if any(folder == f for f, _ in entries):
-            raise ConfigError(f"data.mix names '{folder}' twice; give each folder once with its total weight")
-        entries.append((folder, value))
-    total = sum(w for _, w in entries)
-    return [(folder, w / total) for folder, w in entries]
 
 
 def quotas(weights: list[float], block: int = BLOCK) -> np.ndarray:

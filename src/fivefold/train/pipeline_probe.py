@@ -19,13 +19,14 @@ memory, as in the planner, and not counted. The largest sum over the step is the
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from fivefold.train.activation_probe import _Created, _plain_tensors
+from fivefold.torch_internals import (schedule_loss_fn, set_schedule_loss_fn, stage_backward_state, stage_fwd_cache,
+                                      storage_use_count, tree_leaves, wrap_stage_method)
+from fivefold.train.activation_probe import Created, plain_tensors
 
 
-class _CreatedInForwards(_Created):
-    """_Created over many forwards: a tensor an operator reads that no forward of the step created
+class _CreatedInForwards(Created):
+    """Created over many forwards: a tensor an operator reads that no forward of the step created
     (a weight's cast that autocast cached before the first measured forward, a receive buffer) is
     not an activation, nor is a view of it (the cached cast's transpose): its storage joins the
     uncounted ones, held, so that a later storage cannot take its address."""
@@ -33,7 +34,7 @@ class _CreatedInForwards(_Created):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor):
-                for tensor in _plain_tensors(leaf):
+                for tensor in plain_tensors(leaf):
                     storage = tensor.untyped_storage()
                     ptr = storage.data_ptr()
                     if ptr not in self.storages and ptr not in self.existing:
@@ -50,15 +51,15 @@ class _PipelineProbe:
         self.trace: list[tuple[str, int, int, int]] = []  # (action, stage, micro-batch, bytes after)
 
     def held_bytes(self) -> int:
-        kept = {ptr: s for ptr, s in self.created.storages.items() if torch._C._storage_Use_Count(s._cdata) > 1}
+        kept = {ptr: s for ptr, s in self.created.storages.items() if storage_use_count(s) > 1}
         for stage in self.pipeline.stages:
             if stage.is_first:
                 continue  # its input is the token ids, not an activation
-            held = [inputs for _, inputs in stage.fwd_cache.values()]
-            held += [state[0] for state in stage.backward_state.values()]  # waiting for the weight pass
+            held = [inputs for _, inputs in stage_fwd_cache(stage).values()]
+            held += [state[0] for state in stage_backward_state(stage).values()]  # waiting for the weight pass
             for inputs in held:
                 for value in inputs:
-                    for tensor in _plain_tensors(value):
+                    for tensor in plain_tensors(value):
                         storage = tensor.untyped_storage()
                         kept.setdefault(storage.data_ptr(), storage)
         return sum(s.nbytes() for s in kept.values())
@@ -72,18 +73,17 @@ class _PipelineProbe:
         """Replace the stage's actions with measured ones; returns the originals to restore."""
         originals = {}
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            method = getattr(stage, name)
-            originals[name] = method
-
-            def measured(micro, *args, _method=method, _name=name, **kwargs):
-                if _name == "forward_one_chunk":
-                    with self.created:
-                        out = _method(micro, *args, **kwargs)
-                else:
-                    out = _method(micro, *args, **kwargs)
-                self.sample(_name, stage.stage_index, micro)
-                return out
-            setattr(stage, name, measured)
+            def measuring(method, _name=name):
+                def measured(micro, *args, **kwargs):
+                    if _name == "forward_one_chunk":
+                        with self.created:
+                            out = method(micro, *args, **kwargs)
+                    else:
+                        out = method(micro, *args, **kwargs)
+                    self.sample(_name, stage.stage_index, micro)
+                    return out
+                return measured
+            originals[name] = wrap_stage_method(stage, name, measuring)
         return originals
 
 
@@ -97,26 +97,26 @@ def pipeline_peak_bytes(par, batch: torch.Tensor, n_micro: int, autocast) -> tup
     parameters = set()
     for part in par.parts:
         for tensor in [*part.parameters(), *part.buffers()]:
-            for plain in _plain_tensors(tensor):
+            for plain in plain_tensors(tensor):
                 parameters.add(plain.untyped_storage().data_ptr())
     probe = _PipelineProbe(pipeline, set(parameters), parameters)
     originals = [probe.wrap(stage) for stage in pipeline.stages]
     schedule = pipeline.schedule
-    loss_fn = schedule._loss_fn
+    loss_fn = schedule_loss_fn(schedule)
 
     def measured_loss(output, target, **kwargs):  # the loss's saved tensors are the last stage's
         with probe.created:
             loss = loss_fn(output, target, **kwargs)
         probe.sample("loss", pipeline.n_stages - 1, -1)
         return loss
-    schedule._loss_fn = measured_loss
+    set_schedule_loss_fn(schedule, measured_loss)
     try:
         par.forward_backward(batch, n_micro, autocast)
     finally:
-        schedule._loss_fn = loss_fn
+        set_schedule_loss_fn(schedule, loss_fn)
         for stage, methods in zip(pipeline.stages, originals):
             for name, method in methods.items():
-                setattr(stage, name, method)
+                wrap_stage_method(stage, name, lambda _, original=method: original)
     peak, trace = probe.peak, probe.trace
     del probe
     for part in par.parts:

@@ -102,7 +102,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         return obj.find(index) if isinstance(obj, Pieces) else super().lookup_tensor(index)
 
 
-def _quiet(call, *args, single_process: bool, **kwargs) -> None:
+def quiet(call, *args, single_process: bool, **kwargs) -> None:
     # Without a process group DCP works in one process, as asked, but warns that it does.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -111,7 +111,7 @@ def _quiet(call, *args, single_process: bool, **kwargs) -> None:
 
 def save(tensors: dict[str, Pieces], folder: Path, process_group=None, single_process: bool = False) -> None:
     """Collective over `process_group` (all ranks when None), unless `single_process`."""
-    _quiet(dcp.save, tensors, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1),
+    quiet(dcp.save, tensors, storage_writer=dcp.FileSystemWriter(str(folder), thread_count=1),
            planner=_SavePlanner(flatten_state_dict=False), process_group=process_group,
            single_process=single_process or not torch.distributed.is_initialized())
 
@@ -174,7 +174,7 @@ def load(tensors: dict[str, Pieces], folder: Path, process_group=None, single_pr
     """Fill every box of `tensors` from the checkpoint (collective like `save`). A damaged data
     file becomes one sentence naming the folder."""
     try:
-        _quiet(dcp.load, tensors, storage_reader=SafeReader(str(folder)),
+        quiet(dcp.load, tensors, storage_reader=SafeReader(str(folder)),
                planner=_LoadPlanner(flatten_state_dict=False), process_group=process_group,
                single_process=single_process or not torch.distributed.is_initialized())
     except ConfigError:

@@ -9,36 +9,19 @@ split is a function of the data and `val_fraction` only, and costs a few hundred
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from fivefold.config import ConfigError
+from fivefold.config.manifest import FORMAT, MANIFEST, read_manifest  # noqa: F401 - the folder's manifest
 
-MANIFEST = "manifest.json"
 DOCUMENTS = "documents.npy"
-FORMAT = "fivefold-tokens"
 HELD_OUT_BLOCKS = 1024
 HELD_OUT_SEED = 20261201  # fixed: the held-out documents must not move when train.seed does
 
 
 def is_prepared(folder: str) -> bool:
     return (Path(folder) / MANIFEST).is_file()
-
-
-def read_manifest(folder: str) -> dict:
-    path = Path(folder) / MANIFEST
-    if not path.is_file():
-        raise ConfigError(f"'{folder}' is not a prepared folder (no {MANIFEST}); make one with "
-                          f"`fivefold prepare SRC --out {folder}`")
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError as err:
-        raise ConfigError(f"{path} is not valid JSON ({err}); prepare the folder again") from None
-    if manifest.get("format") != FORMAT:
-        raise ConfigError(f"{path} is not a fivefold token manifest; prepare the folder again")
-    return manifest
 
 
 class TokenShards:

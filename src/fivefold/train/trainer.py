@@ -18,7 +18,8 @@ import torch
 from fivefold.config import Config, ConfigError, micro_batches
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
-from fivefold.parallel.parallelize import Parallelized, parallelize
+from fivefold.parallel.parallelize import parallelize
+from fivefold.parallel.parallelized import Parallelized
 from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
 from fivefold.train import checkpoint, faults
@@ -27,7 +28,8 @@ from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, cuda_memory, 
 from fivefold.train.mixture import GlobalBatches
 from fivefold.train.optim import adamw, lr_scheduler
 from fivefold.train.prefetch import BatchPrefetcher
-from fivefold.validate import check_supported, ignored_note, validate
+from fivefold.config.validate import ignored_note, validate
+from fivefold.train.supported import check_supported
 
 
 @dataclass
@@ -154,8 +156,8 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
             "mfu": stats.mfu(t.seq_len, world_tokens_per_sec / rt.world_size, peak) if peak else None,
             "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
             **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
-            **par.router_metrics,  # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops
-            **par.mtp_metrics,  # multi-token prediction: mtp_loss (not in `loss`)
+            # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops; MTP: mtp_loss (not in `loss`)
+            **par.step_metrics,
         }
         bubble = par.bubble_fraction(step_time)
         if bubble is not None:

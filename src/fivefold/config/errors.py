@@ -1,0 +1,9 @@
+"""The one error of a bad input: a sentence naming the option (or file) and the fix.
+
+Every layer raises it for what a user gave it (a key, a folder, a checkpoint); the CLI prints the
+sentence and exits, so no traceback reaches the user for a bad input.
+"""
+
+
+class ConfigError(ValueError):
+    """A bad configuration, explained in one sentence."""

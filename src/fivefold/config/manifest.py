@@ -1,0 +1,28 @@
+"""The manifest of a prepared folder (`fivefold prepare`): its file name, its format tag and its
+reader. Validation reads it before any process starts (the tokenizer, the document count);
+train/prepare.py writes it and train/token_shards.py maps the shards it lists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fivefold.config.errors import ConfigError
+
+MANIFEST = "manifest.json"
+FORMAT = "fivefold-tokens"
+
+
+def read_manifest(folder: str) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise ConfigError(f"'{folder}' is not a prepared folder (no {MANIFEST}); make one with "
+                          f"`fivefold prepare SRC --out {folder}`")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}); prepare the folder again") from None
+    if manifest.get("format") != FORMAT:
+        raise ConfigError(f"{path} is not a fivefold token manifest; prepare the folder again")
+    return manifest

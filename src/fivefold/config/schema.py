@@ -1,0 +1,243 @@
+"""Configuration: one dataclass per TOML section, each key with its default, its accepted values
+(`checked(...)`, config/checks.py) and a comment that `fivefold train --help` shows.
+
+Loading (TOML, `--section.key value` overrides, presets) lives in config/load.py and validation
+across keys in config/validate.py; both are re-exported here. Every problem is reported as a `ConfigError`
+holding one sentence that names the key and the fix; the CLI prints that sentence and exits, so no
+traceback reaches the user for a bad config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fivefold.config.checks import checked
+from fivefold.config.errors import ConfigError  # noqa: F401 - the schema's own error
+from fivefold.config.schedules import PP_SCHEDULES  # noqa: F401 - one of the parallel keys' choices
+
+
+# Choices of the parallel keys (config/validate.py imports them from here).
+CP_METHODS = ("ring", "allgather", "ulysses")
+BACKENDS = ("auto", "nccl", "gloo", "cpu:gloo,cuda:nccl")  # torch.distributed names; auto: runtime.py
+ZERO_STAGES = "0 replicate, 1 shard optimizer state, 2 also gradients, 3 also parameters"
+
+
+@dataclass
+class MoEConfig:
+    n_experts: int = checked(0, ge=0, note="0 = dense")  # 0 = dense model
+    top_k: int = checked(2, gt=0)  # experts each token is routed to (at most n_experts)
+    n_shared_experts: int = checked(0, ge=0)
+    every: int = checked(1, gt=0)  # an MoE layer every `every` layers (after the first `first_dense`)
+    first_dense: int = checked(0, ge=0)
+    expert_ffn_dim: int = checked(0, ge=0, note="0 = model.ffn_dim")  # 0 = model.ffn_dim
+    score: str = checked("softmax", choices=("softmax", "sigmoid"))  # softmax | sigmoid
+    balance: str = checked("aux_loss", choices=("aux_loss", "bias", "none"))  # aux_loss | bias | none
+    aux_loss_coeff: float = checked(0.01, ge=0)
+    bias_update_rate: float = checked(0.001, ge=0)
+    capacity_factor: float = checked(0.0, ge=0, note="0 = dropless")  # 0 = dropless
+    norm_topk_prob: bool = True  # renormalise the top-k combine weights to sum to 1 (when top_k > 1)
+    dense_layers: str = ""  # e.g. "0,5": layers kept dense whatever `every`/`first_dense` say (Qwen's mlp_only_layers)
+    # Group-limited routing (DeepSeek-V3): experts in n_group equal groups, each token choosing among the
+    # topk_group groups whose two best (biased) scores sum highest; 1 and 1 = no grouping.
+    n_group: int = checked(1, gt=0)
+    topk_group: int = checked(1, gt=0)
+    routed_scaling_factor: float = checked(1.0, gt=0)  # multiplies the routed experts' combine weights (after renormalising)
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    # The ModelSpec (models/registry.py): llama, mixtral, qwen3, qwen3_moe. Empty = from the preset,
+    # or llama for a dense model and mixtral for an MoE one.
+    family: str = ""
+    dim: int = checked(128, gt=0)
+    n_layers: int = checked(4, gt=0)
+    n_heads: int = checked(4, gt=0)
+    n_kv_heads: int = checked(2, gt=0)
+    head_dim: int = checked(0, ge=0, note="0 = dim // n_heads")  # 0 = dim // n_heads (Qwen3 sets it explicitly: its heads need not add up to dim)
+    ffn_dim: int = checked(384, gt=0)
+    vocab_size: int = checked(256, gt=0)
+    tie_embeddings: bool = True
+    rope_theta: float = checked(10000.0, gt=0)
+    norm_eps: float = checked(1e-5, gt=0)
+    max_seq_len: int = checked(1024, gt=0)
+    # Llama 3.1 RoPE frequency scaling; rope_scaling = 0 turns it off.
+    rope_scaling: float = checked(0.0, ge=0, note="0 = off")
+    rope_low_freq_factor: float = checked(1.0, gt=0)
+    rope_high_freq_factor: float = checked(4.0, gt=0)
+    rope_original_max_seq_len: int = checked(8192, gt=0)  # also YaRN's original context
+    # YaRN RoPE scaling (deepseek_v3), as Hugging Face's config writes it; rope_yarn_factor = 0 turns it off.
+    rope_yarn_factor: float = checked(0.0, ge=0, note="0 = off")
+    rope_yarn_beta_fast: float = checked(32.0, gt=0)
+    rope_yarn_beta_slow: float = checked(1.0, gt=0)
+    rope_yarn_mscale: float = checked(0.0, ge=0, note="0 = unset")  # 0 = unset (Hugging Face's null)
+    rope_yarn_mscale_all_dim: float = checked(0.0, ge=0, note="0 = unset")  # 0 = unset; set, it also scales the softmax by its mscale squared
+    # Multi-head latent attention (deepseek_v3; kv_lora_rank = 0 elsewhere): keys and values expanded
+    # per head from a kv_lora_rank latent, plus one qk_rope_head_dim RoPE key shared by all heads;
+    # queries through a q_lora_rank latent (0 = one direct projection, as in DeepSeek-V2-Lite).
+    # head_dim is then the q/k head dim, qk_nope_head_dim + qk_rope_head_dim.
+    q_lora_rank: int = checked(0, ge=0)
+    kv_lora_rank: int = checked(0, ge=0)
+    qk_nope_head_dim: int = checked(0, ge=0)
+    qk_rope_head_dim: int = checked(0, ge=0)
+    v_head_dim: int = checked(0, ge=0)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    # Multi-token prediction (deepseek_v3, models/mtp.py): mtp_depth extra blocks after the last
+    # layer, block k predicting the token k+1 places ahead; their mean loss, times mtp_loss_weight,
+    # joins the LM loss in the gradients (DeepSeek-V3 trained with 0.3, then 0.1; `loss` stays the LM loss).
+    mtp_depth: int = checked(0, ge=0, note="0 = off")
+    mtp_loss_weight: float = checked(0.1, ge=0)
+    # A Hugging Face folder (config.json + safetensors): the model's shape comes from its config.json
+    # and a fresh run starts from its weights, each rank reading only the slices it holds.
+    init_from: str = ""
+
+    def __post_init__(self):
+        # Derived defaults, fixed once the other keys are known (a config resolves in one go).
+        if not self.head_dim and self.kv_lora_rank > 0:
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if not self.head_dim and self.n_heads > 0:
+            self.head_dim = self.dim // self.n_heads
+        if not self.family:
+            self.family = "mixtral" if self.moe.n_experts > 0 else "llama"
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = checked(1, gt=0)
+    zero: int = checked(0, choices=(0, 1, 2, 3), note=ZERO_STAGES)  # 0 replicate, 1 shard optimizer, 2 + gradients, 3 + parameters (FSDP)
+    dp_shard: int = checked(0, ge=0, note="0 = all of dp")  # HSDP: size of the sharded sub-group; 0 = all of dp
+    tp: int = checked(1, gt=0)
+    sp: bool = True  # sequence parallelism (only meaningful when tp > 1)
+    # with sp and no recomputation: keep the gathered inputs of column-parallel layers for backward
+    # (tp x their shard's memory; one all-gather less per sub-layer in backward) instead of the shard
+    sp_keep_gathered: bool = False
+    pp: int = checked(1, gt=0)
+    pp_schedule: str = checked("1f1b", choices=PP_SCHEDULES)
+    pp_virtual: int = checked(1, gt=0)
+    pp_layers: str = ""  # e.g. "7,9,9,7"; empty = balance by estimated cost
+    cp: int = checked(1, gt=0)
+    cp_method: str = checked("ring", choices=CP_METHODS)
+    ep: int = checked(1, gt=0)
+    # Hot-expert replicas (parallel/expert/replicas.py): copies of the most loaded experts on the least
+    # loaded ep ranks, re-planned from the measured load; derived state, never saved.
+    ep_replicas: int = checked(0, ge=0, note="0 = off")  # replica slots per ep rank per MoE layer; 0 = off
+    ep_rebalance_every: int = checked(100, gt=0)  # optimizer steps between replica re-plans
+    order: str = "pp,dp,cp,tp"  # outermost to innermost
+    timeout_s: float = checked(300.0, gt=0, le=1e9)  # every collective; a lost rank becomes an error, not a hang
+    backend: str = checked("auto", choices=BACKENDS)  # auto | nccl | gloo | cpu:gloo,cuda:nccl (auto: the last on CUDA, gloo on CPU)
+    gpus_per_node: int = checked(8, gt=0)
+
+    def __post_init__(self):
+        # The V schedules run exactly two stages per rank: pp_virtual left at its default 1 means
+        # that (another explicit value is refused by fivefold.config.validate).
+        if self.pp > 1 and self.pp_schedule in ("zbv", "dualpipev") and self.pp_virtual == 1:
+            self.pp_virtual = 2
+
+
+@dataclass
+class TrainConfig:
+    steps: int = checked(300, gt=0)
+    seed: int = checked(0, ge=0, lt=2**63)
+    seq_len: int = checked(128, gt=0)
+    global_batch: int = checked(16, gt=0)  # sequences per optimizer step
+    micro_batch: int = checked(0, ge=0, note="0 = whole per-rank batch")  # sequences per micro-batch per dp rank; 0 = global_batch / dp
+    lr: float = checked(3e-3, gt=0)
+    min_lr_ratio: float = checked(0.1, ge=0, le=1)
+    warmup: int = checked(20, ge=0)
+    schedule: str = checked("cosine", choices=("cosine", "wsd", "constant"))  # cosine | wsd | constant
+    decay_fraction: float = checked(0.2, gt=0, le=1)  # wsd: share of steps spent decaying
+    weight_decay: float = checked(0.1, ge=0)
+    beta1: float = checked(0.9, ge=0, lt=1)
+    beta2: float = checked(0.95, ge=0, lt=1)
+    grad_clip: float = checked(1.0, ge=0, note="0 = off")  # 0 = off
+    dtype: str = checked("fp32", choices=("fp32", "bf16"))  # fp32 | bf16 (bf16 compute, fp32 master weights and reductions)
+    recompute: str = checked("none", choices=("none", "selective", "full"))  # none | selective | full
+    compile: bool = False
+    eval_every: int = checked(0, ge=0, note="0 = off")  # 0 = no evaluation
+    eval_batches: int = checked(4, gt=0, when="eval_every")
+    max_bad_steps: int = checked(3, ge=1)  # steps in a row with a non-finite loss/grad norm (skipped) before stopping
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"  # builtin | a prepared folder (fivefold prepare) | a .txt/.jsonl/.parquet file or folder
+    mix: str = ""  # weighted prepared folders, "DIR_A:0.7,DIR_B:0.3" (instead of source)
+    text_field: str = "text"  # jsonl/parquet column holding the text
+    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
+    val_fraction: float = checked(0.05, ge=0, lt=0.5)
+    builtin_max_bytes: int = checked(4_000_000, gt=0)
+    document_mask: bool = False  # attention block-diagonal-causal: no token attends across a document boundary
+    document_positions: bool = True  # with document_mask: RoPE positions restart at each document
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # empty = <log.dir>/checkpoints
+    every: int = checked(0, ge=0, note="0 = never")  # 0 = never
+    keep: int = checked(3, ge=1)
+    resume: str = "none"  # none | auto | path
+    async_save: bool = False  # rank 0 writes in a background thread while training continues
+
+
+@dataclass
+class DebugConfig:
+    """Test-only fault injection (step 0 = off). Crashes, errors and hangs fire only in a job's first attempt."""
+    crash_at_step: int = checked(0, ge=0)  # rank `crash_rank` exits abruptly as step N begins
+    crash_rank: int = checked(0, ge=0)
+    hang_at_step: int = checked(0, ge=0)  # rank `crash_rank` stops answering as step N begins (collective timeout)
+    error_at_step: int = checked(0, ge=0)  # rank `crash_rank` raises an exception as step N begins (a bug or OOM)
+    nan_at_step: int = checked(0, ge=0)  # step N's gradient norm is treated as NaN (exercises the skip path)
+    nan_steps: int = checked(1, gt=0)  # ... and this many steps from N on
+    slow_step_s: float = checked(0.0, ge=0)  # rank `crash_rank` spends this much longer on every step (a straggler)
+    slow_save_step: int = checked(0, ge=0)  # rank 0 pauses half-way through writing this step's checkpoint...
+    slow_save_s: float = checked(60.0, ge=0)  # ... for this long (a window in which to kill the job mid-save)
+
+
+@dataclass
+class LogConfig:
+    dir: str = ""  # run directory for metrics.jsonl (and TensorBoard); empty = none
+    every: int = checked(10, ge=0)  # console line every N steps
+    # Steps whose communication the ledger measures (`comm_bytes` in metrics.jsonl): the first, the
+    # last and every N-th; 0 = every log.every-th. Measuring costs a dispatch hook per operator.
+    comm_every: int = checked(0, ge=0)
+    tensorboard: bool = False
+    progress: bool = True
+    # MoE: warn (once per expert) when an expert has received no tokens for this many steps in a
+    # row, a sign of router collapse; 0 = off.
+    dead_expert_steps: int = checked(100, ge=0, note="0 = off")
+
+
+@dataclass
+class ClusterConfig:
+    """The planner's cluster; the trainer reads only `peak_tflops` (for MFU, where set)."""
+    gpus: int = checked(0, ge=0)
+    gpu: str = "h100"
+    gpus_per_node: int = checked(8, gt=0)
+    # Overrides of the GPU profile's figures; 0 = the profile's own.
+    peak_tflops: float = checked(0.0, ge=0)
+    memory_gb: float = checked(0.0, ge=0)
+    intra_gbps: float = checked(0.0, ge=0)  # NVLink-class bandwidth inside a node, GB/s
+    inter_gbps: float = checked(0.0, ge=0)  # network bandwidth between nodes per GPU, GB/s
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def micro_batches(cfg: Config) -> int:
+    """Micro-batches per step on each data-parallel rank: global_batch / (dp · micro_batch), where
+    micro_batch = 0 means the rank's whole share at once (docs/design.md batch arithmetic)."""
+    per_rank = cfg.train.global_batch // cfg.parallel.dp
+    return per_rank // (cfg.train.micro_batch or per_rank)

@@ -1,0 +1,343 @@
+"""`validate(config, world_size)`: every check that can be made before a process group exists.
+
+Each failure is one sentence naming the key(s) and the fix. A key's own range and choices are
+declared beside it in config/schema.py (`checked(...)`) and checked first; the rules here tie keys
+together, or look at files (run folders here; data and tokenizer in config/validate_data.py). Checks
+run in a fixed order so the first problem reported is the most basic one (a bad value before a
+bad combination).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from fivefold.config.checks import check_fields
+from fivefold.config.errors import ConfigError
+from fivefold.config.families import FAMILIES
+from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, parse_layer_counts
+from fivefold.config.schema import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ParallelConfig, micro_batches  # noqa: F401
+from fivefold.config.validate_data import check_data
+
+DIMS = ("pp", "dp", "cp", "tp")
+
+
+def _divisors(n: int) -> str:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: str, choices) -> None:
+    _require(value in choices, f"{key}='{value}' is not one of {', '.join(choices)}")
+
+
+def _positive(key: str, value) -> None:
+    _require(value > 0, f"{key} must be > 0, got {value}")
+
+
+def _divides(key: str, degree: int, what: str, amount: int) -> None:
+    if amount % degree:  # the message lists divisors: build it only when it is needed
+        raise ConfigError(f"{key}={degree} does not divide {what}={amount}; choose a value among "
+                          f"{_divisors(amount)}")
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    _one_of("model.family", m.family, FAMILIES)
+    _check_latent_attention(m)  # first: its head_dim sentence is more precise than the generic one
+    if m.head_dim == m.dim // m.n_heads:  # head_dim left to default: the heads must split dim exactly
+        _divides("model.n_heads", m.n_heads, "model.dim", m.dim)
+    _divides("model.n_kv_heads", m.n_kv_heads, "model.n_heads", m.n_heads)
+    _positive("model.head_dim", m.head_dim)
+    _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for RoPE; set model.head_dim "
+             "(or change model.dim or model.n_heads)")
+    if m.rope_scaling > 0:  # Llama 3.1 interpolates between the two factors' wavelengths: they need an order
+        _require(m.rope_high_freq_factor > m.rope_low_freq_factor, "model.rope_high_freq_factor="
+                 f"{m.rope_high_freq_factor} must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} "
+                 "(Llama 3.1 uses 4 and 1)")
+    e = m.moe
+    if e.n_experts > 0:
+        _require(1 <= e.top_k <= e.n_experts,
+                 f"model.moe.top_k={e.top_k} must be between 1 and model.moe.n_experts={e.n_experts}")
+        _require(e.first_dense < m.n_layers, f"model.moe.first_dense={e.first_dense} must be "
+                 f"between 0 and model.n_layers-1={m.n_layers - 1}")
+        _check_dense_layers(e.dense_layers, m.n_layers)
+        _check_group_routing(e)
+
+
+def _check_group_routing(e) -> None:
+    _divides("model.moe.n_group", e.n_group, "model.moe.n_experts", e.n_experts)
+    _require(1 <= e.topk_group <= e.n_group, f"model.moe.topk_group={e.topk_group} must be between 1 and "
+             f"model.moe.n_group={e.n_group}")
+    reachable = e.n_experts // e.n_group * e.topk_group
+    _require(e.top_k <= reachable, f"model.moe.top_k={e.top_k} exceeds the {reachable} experts of "
+             f"model.moe.topk_group={e.topk_group} groups of model.moe.n_experts/n_group="
+             f"{e.n_experts // e.n_group}; raise model.moe.topk_group or lower model.moe.top_k")
+
+
+def _check_latent_attention(m) -> None:
+    """Multi-head latent attention and YaRN exist in the deepseek_v3 family only, and it needs both
+    latent-attention head dims and a kv latent."""
+    mla = {"kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+           "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim}
+    if m.family != "deepseek_v3":
+        for key, value in {**mla, "rope_yarn_factor": m.rope_yarn_factor}.items():
+            _require(not value, f"model.{key}={value} is a latent-attention / YaRN key, which only "
+                     f"model.family=deepseek_v3 implements (model.family={m.family}); remove it")
+        return
+    for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        _positive(f"model.{key}", mla[key])
+    _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    _require(m.head_dim == qk, f"model.head_dim={m.head_dim} must be the q/k head dim model.qk_nope_head_dim"
+             f"+qk_rope_head_dim={qk} under latent attention; leave model.head_dim unset (0)")
+    _require(m.n_kv_heads == m.n_heads, f"model.n_kv_heads={m.n_kv_heads} must equal model.n_heads={m.n_heads}: "
+             "latent attention expands keys and values for every head")
+    _require(m.rope_scaling == 0, f"model.rope_scaling={m.rope_scaling} (Llama 3.1 RoPE) is not available in "
+             "model.family=deepseek_v3; use model.rope_yarn_factor, or set model.rope_scaling=0")
+    if m.rope_yarn_factor > 0:
+        _require(m.rope_yarn_beta_fast > m.rope_yarn_beta_slow, "model.rope_yarn_beta_fast="
+                 f"{m.rope_yarn_beta_fast} must exceed model.rope_yarn_beta_slow={m.rope_yarn_beta_slow} > 0")
+
+
+def _check_dense_layers(text: str, n_layers: int) -> None:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    _require(all(p.isdigit() and int(p) < n_layers for p in parts),
+             f"model.moe.dense_layers='{text}' must list layer indices below model.n_layers={n_layers}, "
+             "separated by commas (e.g. '0,5')")
+
+
+def _check_train(cfg: Config) -> None:
+    t, m = cfg.train, cfg.model
+    _require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len="
+             f"{m.max_seq_len}; lower train.seq_len or raise model.max_seq_len")
+
+
+def _check_parallel(cfg: Config, world_size: int | None) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.dp_shard:
+        _divides("parallel.dp_shard", p.dp_shard, "parallel.dp", p.dp)
+        _require(p.dp_shard == p.dp or p.zero > 0, "parallel.dp_shard < parallel.dp (HSDP) needs "
+                 "parallel.zero >= 1: there is nothing to shard at zero 0")
+    order = [d.strip() for d in p.order.split(",")]
+    _require(sorted(order) == sorted(DIMS), f"parallel.order='{p.order}' must name each of "
+             f"{', '.join(DIMS)} once, outermost first (e.g. 'pp,dp,cp,tp')")
+    # dp and cp form one flattened mesh view (the ranks reducing gradients), which DeviceMesh can
+    # only take in mesh order.
+    _require(order.index("dp") < order.index("cp"), f"parallel.order='{p.order}' puts cp outside dp, "
+             "which the data-parallel mesh cannot flatten; put dp before cp (e.g. 'pp,dp,cp,tp')")
+
+    if world_size is not None:
+        product = p.dp * p.tp * p.pp * p.cp
+        _require(product == world_size, f"parallel.dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {product} "
+                 f"but the job has {world_size} ranks; make the degrees multiply to {world_size}")
+
+    _divides("parallel.tp", p.tp, "model.n_heads", m.n_heads)
+    _divides("parallel.tp", p.tp, "model.n_kv_heads", m.n_kv_heads)
+    _divides("parallel.tp", p.tp, "model.ffn_dim", m.ffn_dim)
+    _divides("parallel.tp", p.tp, "model.vocab_size", m.vocab_size)  # vocab-parallel embedding/output
+    if p.cp > 1:
+        _require(t.seq_len % (2 * p.cp) == 0, f"train.seq_len={t.seq_len} is not divisible by "
+                 f"2*parallel.cp={2 * p.cp} (context parallelism cuts each sequence into 2*cp equal "
+                 "chunks); change train.seq_len or parallel.cp")
+        if p.cp_method == "ulysses":  # tp divides n_heads: checked above
+            heads = m.n_heads // p.tp
+            _require(heads % p.cp == 0, f"parallel.cp_method='ulysses' splits the {heads} heads per "
+                     f"tensor-parallel rank (model.n_heads/parallel.tp) over parallel.cp={p.cp}, which "
+                     f"does not divide them; choose parallel.cp among {_divisors(heads)} or "
+                     "cp_method 'ring' or 'allgather'")
+    if p.tp > 1 and p.sp:
+        _require(t.seq_len % (p.tp * p.cp) == 0, f"train.seq_len={t.seq_len} is not divisible by "
+                 f"parallel.tp*cp={p.tp * p.cp}, which sequence parallelism needs; change train.seq_len "
+                 "or set parallel.sp=false")
+
+    _check_pipeline(cfg)
+
+    # Batch arithmetic (docs/design.md): global_batch = dp * micro_batch * micro-batches per step.
+    _divides("parallel.dp", p.dp, "train.global_batch", t.global_batch)
+    if t.micro_batch:
+        per_rank = t.global_batch // p.dp
+        _require(per_rank % t.micro_batch == 0, f"train.micro_batch={t.micro_batch} does not divide the "
+                 f"per-rank batch train.global_batch/parallel.dp = {per_rank}; choose a divisor of {per_rank}")
+
+    if p.ep > 1:
+        _require(m.moe.n_experts > 0, f"parallel.ep={p.ep} needs an MoE model; set model.moe.n_experts "
+                 "(or a preset such as 'tiny-moe'), or parallel.ep=1")
+        _divides("parallel.ep", p.ep, "model.moe.n_experts", m.moe.n_experts)
+        if world_size is not None:  # a launch: the degrees are final (`config show` may set ep alone)
+            # ep borrows its ranks from dp·cp, and may borrow tp.
+            _divides("parallel.ep", p.ep, "parallel.dp*cp*tp", p.dp * p.cp * p.tp)
+    if p.ep_replicas > 0:  # hot-expert replicas (parallel/expert/replicas.py)
+        _require(p.ep > 1, f"parallel.ep_replicas={p.ep_replicas} copies experts between expert-parallel "
+                 "ranks and needs parallel.ep > 1; set parallel.ep or parallel.ep_replicas=0")
+        _require(p.zero != 3, f"parallel.ep_replicas={p.ep_replicas} copies whole experts after each "
+                 f"step, which parallel.zero={p.zero} shards; use parallel.zero 0, 1 or 2, or parallel.ep_replicas=0")
+        # Replica gradients travel to their owners inside backward; a split weight pass is not tested.
+        _require(not (p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD_SCHEDULES),
+                 f"parallel.ep_replicas={p.ep_replicas} is not available with parallel.pp_schedule="
+                 f"'{p.pp_schedule}' (its split weight pass); use '1f1b' or 'interleaved_1f1b', or "
+                 "parallel.ep_replicas=0")
+    if m.moe.n_experts > 0 and p.tp > 1:
+        # MoE layers route a 1/tp slice of each rank's sequence on each tp rank (parallel/tensor/apply.py);
+        # with sequence parallelism that is the stream's own split, checked above.
+        _require(t.seq_len % (p.tp * p.cp) == 0, f"train.seq_len={t.seq_len} is not divisible by "
+                 f"parallel.tp*cp={p.tp * p.cp}: the MoE layers split each rank's sequence over the tp "
+                 "ranks; change train.seq_len or parallel.tp")
+        if p.cp > 1 and m.moe.capacity_factor > 0:
+            # Capacity ranks assignments by position in the whole sequence, counted per piece:
+            # each of the 2·cp context-parallel chunks cut into tp equal pieces (models/moe.py).
+            n = 2 * p.cp * p.tp
+            _require(t.seq_len % n == 0, f"train.seq_len={t.seq_len} is not divisible by 2*parallel.cp*tp={n}, "
+                     "which model.moe.capacity_factor > 0 needs under both context and tensor parallelism "
+                     "(each of the 2*cp chunks is cut into tp pieces); change train.seq_len, or set "
+                     "model.moe.capacity_factor=0 (dropless)")
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """Stages, virtual stages, the layer split and what each schedule needs (torch.distributed.
+    pipelining's own requirements, said in our terms before any process starts)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    name, v = p.pp_schedule, p.pp_virtual
+    if p.pp == 1:
+        return  # no pipeline: its keys are ignored, and reported so (ignored_options)
+    if name in SINGLE_STAGE_SCHEDULES:
+        _require(v == 1, f"parallel.pp_schedule='{name}' runs one stage per rank, so parallel.pp_virtual "
+                 f"must be 1, got {v}; use 'interleaved_1f1b' or 'zb' for virtual stages")
+    elif name in V_SCHEDULES:
+        _require(v == 2, f"parallel.pp_schedule='{name}' runs two stages per rank in a V, so "
+                 f"parallel.pp_virtual must be 2, got {v}")
+        # torch 2.13's V schedules run backward actions in their forward-only eval() too.
+        _require(not t.eval_every, f"train.eval_every={t.eval_every} cannot evaluate under "
+                 f"parallel.pp_schedule='{name}' (torch's V schedules have no forward-only run); use "
+                 "'zb', '1f1b' or 'interleaved_1f1b', or set train.eval_every = 0")
+    else:
+        _require(v >= 2, f"parallel.pp_schedule='{name}' interleaves virtual stages: set "
+                 f"parallel.pp_virtual >= 2 (got {v}), or use '1f1b'")
+    # The weight pass backwards through each block a second time, which torch's selective
+    # activation checkpointing refuses ("backward an extra time") inside the step.
+    _require(not (name in SPLIT_BACKWARD_SCHEDULES and t.recompute == "selective"),
+             f"parallel.pp_schedule='{name}' splits each backward into an input and a weight pass, which "
+             "PyTorch's selective recomputation cannot run twice over one block; use train.recompute = "
+             "'full' or 'none' with it, or pp_schedule '1f1b' or 'interleaved_1f1b' with 'selective'")
+    # The last stage then reads the one matrix three times (output layer, MTP embedding and head),
+    # and torch's weight pass fails on it ("backward through the graph a second time").
+    _require(not (name in SPLIT_BACKWARD_SCHEDULES and m.mtp_depth and m.tie_embeddings),
+             f"parallel.pp_schedule='{name}' cannot run multi-token prediction (model.mtp_depth={m.mtp_depth}) "
+             "with tied embeddings: PyTorch's split weight pass fails on the matrix the last stage reads "
+             "three times; set model.tie_embeddings = false, or use pp_schedule '1f1b' or 'interleaved_1f1b'")
+    n_stages = p.pp * v
+    _require(n_stages <= m.n_layers, f"parallel.pp*pp_virtual = {n_stages} stages exceed model.n_layers="
+             f"{m.n_layers}; every stage needs at least one layer")
+    if p.pp_layers:
+        try:
+            counts = parse_layer_counts(p.pp_layers)
+        except ValueError:
+            raise ConfigError(f"parallel.pp_layers='{p.pp_layers}' must be comma-separated layer counts, "
+                              "e.g. '3,5'") from None
+        _require(len(counts) == n_stages, f"parallel.pp_layers='{p.pp_layers}' has {len(counts)} entries "
+                 f"but there are parallel.pp*pp_virtual = {n_stages} stages")
+        _require(sum(counts) == m.n_layers, f"parallel.pp_layers='{p.pp_layers}' adds up to {sum(counts)} "
+                 f"layers but model.n_layers={m.n_layers}")
+        _require(min(counts) >= 1, f"parallel.pp_layers='{p.pp_layers}' gives a stage no layer; every "
+                 "stage needs at least one")
+    if t.global_batch % p.dp or (t.micro_batch and (t.global_batch // p.dp) % t.micro_batch):
+        return  # the batch arithmetic check below names that problem
+    n_micro = micro_batches(cfg)
+    fix = (f"lower train.micro_batch (now {t.micro_batch or t.global_batch // p.dp} sequences) or raise "
+           "train.global_batch")
+    if name in ("1f1b", "dualpipev"):
+        _require(n_micro >= n_stages, f"parallel.pp_schedule='{name}' needs at least as many micro-batches "
+                 f"as stages ({n_stages}) but a step has {n_micro}; {fix}")
+    if name in ("interleaved_1f1b", "zb"):
+        rounds = max(1, n_micro // p.pp)
+        _require(n_micro % rounds == 0, f"parallel.pp_schedule='{name}' runs micro-batches in rounds of "
+                 f"parallel.pp={p.pp}: {n_micro} micro-batches per step must be fewer than pp or a "
+                 f"multiple of pp; {fix}")
+
+
+def _check_checkpoint(cfg: Config) -> None:
+    c = cfg.checkpoint
+    _require(c.resume in ("none", "auto") or Path(c.resume).exists(),
+             f"checkpoint.resume='{c.resume}' must be none, auto, or an existing checkpoint folder")
+    _require(c.every == 0 or c.dir or cfg.log.dir, "checkpoint.every > 0 needs checkpoint.dir or log.dir "
+             "to say where checkpoints go")
+
+
+def _check_run_folders(cfg: Config) -> None:
+    c = cfg.checkpoint
+    _check_writable_dir("log.dir", cfg.log.dir)
+    if c.dir:
+        _check_writable_dir("checkpoint.dir", c.dir)
+    elif cfg.log.dir and c.every:
+        _check_writable_dir("checkpoint.dir (empty: <log.dir>/checkpoints)", str(Path(cfg.log.dir) / "checkpoints"))
+
+
+def _check_writable_dir(key: str, text: str) -> None:
+    """A run folder fivefold writes into: a folder, or creatable inside a writable one. Writing is
+    tried (a temporary file, removed at once): permissions alone do not tell, e.g. for root or a
+    read-only mount."""
+    if not text:
+        return
+    path = Path(text)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    fix = f"give {key.split(' ')[0]} a folder fivefold may create and write"
+    _require(existing.is_dir(), f"{key}='{text}' is a file, not a folder; {fix}" if existing == path else
+             f"{key}='{text}' cannot be created: '{existing}' is a file; {fix}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{key}='{text}' is not writable ('{existing}': {err.strerror}); {fix}") from None
+
+
+def ignored_options(p) -> dict[str, str]:
+    """Parallel keys set away from their default that do nothing for this layout: key -> why.
+    `p` is a ParallelConfig or a planner Layout (the same key names and defaults)."""
+    default = ParallelConfig()
+    rules = [("zero", p.dp * p.cp == 1, "dp*cp=1: nothing to shard"),
+             ("dp_shard", p.dp_shard == p.dp, "equal to parallel.dp: all of dp, the default"),
+             ("sp", p.tp == 1, "tp=1"),
+             ("pp_schedule", p.pp == 1, "pp=1"),
+             ("pp_virtual", p.pp == 1, "pp=1"),
+             ("pp_layers", p.pp == 1, "pp=1"),
+             ("cp_method", p.cp == 1, "cp=1")]
+    return {key: why for key, unused, why in rules if unused and getattr(p, key) != getattr(default, key)}
+
+
+def ignored_note(cfg: Config) -> str | None:
+    """One line naming the options this layout ignores (printed once before training), or None."""
+    ignored = ignored_options(cfg.parallel)
+    listed = ", ".join(f"parallel.{key}={getattr(cfg.parallel, key)!r} ({why})" for key, why in ignored.items())
+    return f"ignored for this layout: {listed}" if ignored else None
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Raise ConfigError on the first problem; return the config unchanged when it is sound."""
+    for section in dataclasses.fields(cfg):  # each key's own range and choices (config/schema.py declares them)
+        check_fields(getattr(cfg, section.name), section.name)
+    _check_model(cfg)
+    _check_train(cfg)
+    _check_parallel(cfg, world_size)
+    check_data(cfg)
+    _check_checkpoint(cfg)
+    if world_size is not None:  # a launch writes there (`config show` and `plan` write nothing)
+        _check_run_folders(cfg)
+    return cfg
+
+
+def check_backend(backend: str, cuda: bool) -> None:
+    """parallel.backend against this machine: the training tensors live on its GPUs when it has any."""
+    if cuda:
+        # gloo moves CUDA tensors for all-reduce and broadcast only (not send/recv, all-to-all, ...).
+        _require(backend != "gloo", "parallel.backend=gloo cannot run the collectives of CUDA tensors "
+                 "(point-to-point, all-to-all, reduce-scatter); use auto or nccl, or hide the GPUs "
+                 "(CUDA_VISIBLE_DEVICES='') to train on CPU")
+    else:
+        _require(backend in ("auto", "gloo"), f"parallel.backend={backend} needs CUDA GPUs; this machine "
+                 "has none: use gloo or auto")

@@ -1,0 +1,110 @@
+"""The data section's checks before any process starts: the source and tokenizer files exist and
+fit model.vocab_size, prepared folders and data.mix agree on one tokenizer, and document masking
+has documents to keep attention inside. validate() (config/validate.py) calls `check_data`; each failure
+is one sentence naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from fivefold.config.errors import ConfigError
+from fivefold.config.manifest import read_manifest
+from fivefold.config.schema import Config
+
+
+def _require(ok: bool, message: str) -> None:
+    # config/validate.py has the same three lines: importing them from there would make the two modules
+    # import each other.
+    if not ok:
+        raise ConfigError(message)
+
+
+def parse_mix(mix: str) -> list[tuple[str, float]]:
+    """'DIR_A:0.7,DIR_B:0.3' -> [(DIR_A, 0.7), (DIR_B, 0.3)] (weights normalised to sum to 1)."""
+    entries = []
+    for part in mix.split(","):
+        folder, sep, weight = part.strip().rpartition(":")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = float("nan")
+        if not sep or not folder or not value > 0:
+            raise ConfigError(f"data.mix entry '{part.strip()}' must be FOLDER:WEIGHT with a weight > 0, "
+                              "e.g. data.mix = \"web:0.7,code:0.3\"")
+        if any(folder == f for f, _ in entries):
+            raise ConfigError(f"data.mix names '{folder}' twice; give each folder once with its total weight")
+        entries.append((folder, value))
+    total = sum(w for _, w in entries)
+    return [(folder, w / total) for folder, w in entries]
+
+
+def check_data(cfg: Config) -> None:
+    """data.source, data.tokenizer and data.mix against the files they name and model.vocab_size."""
+    d, m = cfg.data, cfg.model
+    if d.mix or (Path(d.source) / "manifest.json").is_file():  # a prepared folder (token_shards.py)
+        _check_prepared_data(cfg)
+        return
+    if d.source != "builtin":
+        _require(Path(d.source).exists(), f"data.source '{d.source}' does not exist; give a text/jsonl/"
+                 "parquet file or folder, or 'builtin'")
+        if d.document_mask and Path(d.source).is_file() and Path(d.source).suffix not in (".jsonl", ".parquet"):
+            check_documents(f"data.source '{d.source}'", 1)  # before any process starts (train/data.py)
+    if d.tokenizer == "byte":
+        _require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size} is too small for the byte "
+                 "tokenizer; it needs at least 256")
+    else:
+        _require(Path(d.tokenizer).is_file(), f"data.tokenizer '{d.tokenizer}' is not a file; give a "
+                 "Hugging Face tokenizer.json or 'byte'")
+        n_tokens = _tokenizer_size(d.tokenizer)
+        _require(n_tokens <= m.vocab_size, f"the tokenizer has {n_tokens} tokens but model.vocab_size="
+                 f"{m.vocab_size}; raise model.vocab_size to at least {n_tokens}")
+
+
+def check_documents(what: str, n_documents: int) -> None:
+    """Document masking needs a corpus of several documents; one sentence otherwise."""
+    if n_documents < 2:
+        raise ConfigError(f"data.document_mask = true needs documents to keep attention inside, but {what} "
+                          f"holds {n_documents} document{'' if n_documents == 1 else 's'} (a text file is one "
+                          "document); use a .jsonl or .parquet file (one document per line or row), a folder "
+                          "of files or a prepared folder, or set data.document_mask = false")
+
+
+def _tokenizer_size(path: str) -> int:
+    """The vocabulary of a tokenizer.json; one sentence when the file is not one."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path).get_vocab_size()
+    except Exception as err:  # tokenizers raises plain Exceptions for unreadable or foreign files
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"data.tokenizer '{path}' is not a Hugging Face tokenizer.json ({reason}); give the "
+                          "tokenizer.json of a model (its folder holds one) or 'byte'") from None
+
+
+def _check_prepared_data(cfg: Config) -> None:
+    """data.source = a prepared folder, or data.mix = several: the tokenizer is the manifest's."""
+    d, m = cfg.data, cfg.model
+    _require(not d.mix or d.source == "builtin", f"data.mix and data.source='{d.source}' are both set; "
+             "give the folders and their weights in data.mix alone")
+    weights = parse_mix(d.mix) if d.mix else []
+    _require(all(math.isfinite(w) for _, w in weights), f"data.mix='{d.mix}' has a weight that is not a "
+             "finite number; give each folder a weight > 0, e.g. \"web:0.7,code:0.3\"")
+    folders = [folder for folder, _ in weights] if d.mix else [d.source]
+    tokenizers = {}
+    for folder in folders:
+        key = "data.mix" if d.mix else "data.source"
+        _require(Path(folder).is_dir(), f"{key} folder '{folder}' does not exist; make it with "
+                 f"`fivefold prepare SRC --out {folder}`")
+        manifest = read_manifest(folder)
+        if d.document_mask:
+            check_documents(f"{key} folder '{folder}'", manifest["documents"])
+        tokenizer = manifest["tokenizer"]
+        _require(tokenizer["vocab_size"] <= m.vocab_size, f"'{folder}' was prepared with a tokenizer of "
+                 f"{tokenizer['vocab_size']} tokens but model.vocab_size={m.vocab_size}; raise model.vocab_size "
+                 f"to at least {tokenizer['vocab_size']}")
+        tokenizers[folder] = tokenizer
+    labels = {f: t["name"] + (f" sha256 {t['sha256'][:12]}" if "sha256" in t else "") for f, t in tokenizers.items()}
+    _require(len(set(labels.values())) == 1, "data.mix folders were prepared with different tokenizers (" +
+             ", ".join(f"{f}: {label}" for f, label in labels.items()) + "); prepare them all with the same one")

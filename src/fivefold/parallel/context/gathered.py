@@ -1,0 +1,219 @@
+"""The two collective-based context-parallel attentions (ours), over the layout of parallel/context/apply.py.
+
+- All-gather (as in Llama 3): every rank all-gathers K/V (with their own kv head count), attends
+  its two query chunks to the keys at or before them, and reduce-scatters dK/dV in backward. K/V
+  are gathered again in backward rather than kept, so only the local K/V are saved.
+- Ulysses: one all-to-all turns sequence-split q/k/v into head-split whole sequences, ordinary
+  causal attention runs on cp-th of the heads, and one all-to-all turns the output back.
+
+Document masking: both all-gather the document ids of the whole sequence (a few bytes per token).
+All-gather masks each block of its local queries against the gathered keys and skips blocks no
+query may see; Ulysses runs the model's own document-masked attention on the whole sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fivefold.models.documents import document_attention
+from fivefold.parallel.context.blocks import block_backward, block_forward, document_block, merge_rows
+from fivefold.parallel.context.apply import gathered_chunk_order, local_positions
+from fivefold.parallel.context.ring import gather_documents, pack_kv
+
+# torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---- all-gather ----------------------------------------------------------------------------------
+
+def _gather_kv(k, v, group) -> torch.Tensor:
+    """(b, kv_heads, seq, d_k + d_v): every rank's K and V side by side (pack_kv), in sequence order."""
+    cp = dist.get_world_size(group)
+    local = pack_kv(k, v)
+    gathered = local.new_empty((cp * local.shape[0],) + local.shape[1:])  # gloo wants ranks along dim 0, flat
+    _all_gather(gathered, local, group=group)
+    gathered = gathered.unflatten(0, (cp, -1))  # (cp, b, hkv, L, d)
+    chunks = gathered.movedim(0, 2).unflatten(3, (2, -1)).flatten(2, 3)  # (b, hkv, 2cp, c, d)
+    in_order = torch.tensor(gathered_chunk_order(cp), device=k.device).argsort()
+    return chunks.index_select(2, in_order).flatten(2, 3)
+
+
+def _sequence_documents(documents, group) -> torch.Tensor:
+    """(b, seq): the document ids of the whole sequence, in sequence order, from each rank's (b, L)."""
+    cp, local_len = dist.get_world_size(group), documents.shape[1]
+    slots = gather_documents(documents, group).movedim(0, 1).flatten(1, 2)  # rank 0's tokens, rank 1's...
+    positions = torch.cat([local_positions(r, cp, local_len, documents.device) for r in range(cp)])
+    whole = torch.empty_like(slots)
+    whole[:, positions] = slots
+    return whole
+
+
+def _scatter_kv_grads(dkv_whole: torch.Tensor, group) -> torch.Tensor:
+    """Sum every rank's gradient of the whole packed K/V and keep this rank's part: (b, hkv, L, d)."""
+    cp = dist.get_world_size(group)
+    chunks = dkv_whole.unflatten(2, (2 * cp, -1))
+    slots = chunks.index_select(2, torch.tensor(gathered_chunk_order(cp), device=dkv_whole.device))
+    per_rank = slots.unflatten(2, (cp, 2)).flatten(3, 4).movedim(2, 0).contiguous()  # (cp, b, hkv, L, d)
+    mine = per_rank.new_empty(per_rank.shape[1:])
+    _reduce_scatter(mine, per_rank.flatten(0, 1), group=group)
+    return mine
+
+
+def _allgather_blocks(rank: int, cp: int, chunk: int):
+    """(query rows, key columns, causal) of each block: each local chunk sees every earlier key
+    fully and its own chunk causally; keys after it are never touched."""
+    blocks = []
+    for half, index in enumerate((rank, 2 * cp - 1 - rank)):
+        rows, start = slice(half * chunk, (half + 1) * chunk), index * chunk
+        blocks.append((rows, slice(start, start + chunk), True))
+        if start > 0:
+            blocks.append((rows, slice(0, start), False))
+    return blocks
+
+
+def _masked_block(documents, whole, rows: slice, cols: slice, causal: bool):
+    """(visible, mask) of a block of local query rows against gathered key columns."""
+    if documents is None:
+        return True, None
+    return document_block(documents[:, rows], whole[:, cols], causal)
+
+
+def allgather_forward(q, k, v, group, documents=None, whole=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in q's dtype, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence;
+    `documents` (b, L) this rank's document ids, `whole` the sequence's (`_sequence_documents`)."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    scale = q.shape[-1] ** -0.5
+    kv, d = _gather_kv(k, v, group), k.shape[-1]
+    out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
+        visible, mask = _masked_block(documents, whole, rows, cols, causal)
+        if not visible:  # never a causal block: each query sees itself
+            continue
+        block_out, block_lse = block_forward(q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
+                                             causal, scale, mask)
+        if causal:  # listed first for its rows: it starts them
+            out[:, :, rows], lse[:, :, rows] = block_out, block_lse
+        else:
+            merge_rows(out, lse, rows, block_out, block_lse)
+    return out.to(q.dtype), lse
+
+
+def allgather_backward(dout, q, k, v, out, lse, group, documents=None, whole=None):
+    """(dq, dk, dv) of this rank's q, k, v, given the final output and LSE of its queries."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    scale = q.shape[-1] ** -0.5
+    kv, d = _gather_kv(k, v, group), k.shape[-1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
+        visible, mask = _masked_block(documents, whole, rows, cols, causal)
+        if not visible:
+            continue
+        dq_block, dk_block, dv_block = block_backward(
+            dout[:, :, rows], q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
+            out[:, :, rows], lse[:, :, rows], causal, scale, mask)
+        dq[:, :, rows] += dq_block
+        dkv[..., cols, :d] += dk_block
+        dkv[..., cols, d:] += dv_block
+    mine = _scatter_kv_grads(dkv, group)
+    return dq.to(q.dtype), mine[..., :d].to(k.dtype), mine[..., d:].to(v.dtype)
+
+
+class AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, documents):
+        whole = None if documents is None else _sequence_documents(documents, group)
+        out, lse = allgather_forward(q, k, v, group, documents, whole)
+        ctx.group, ctx.documents, ctx.whole = group, documents, whole
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        grads = allgather_backward(dout, *ctx.saved_tensors, ctx.group, ctx.documents, ctx.whole)
+        return *grads, None, None
+
+
+def allgather_attention(q, k, v, group, documents=None) -> torch.Tensor:
+    """`documents` (b, L): this rank's tokens' document ids, to keep attention inside documents."""
+    return AllGatherAttention.apply(q, k, v, group, documents)
+
+
+# ---- Ulysses -------------------------------------------------------------------------------------
+
+def _sequence_to_heads(x, group):
+    """(b, cp·n, L, d) split by sequence -> (b, n, cp·L, d) split by heads (rank slots in order)."""
+    cp = dist.get_world_size(group)
+    send = x.unflatten(1, (cp, -1)).movedim(1, 0).contiguous()  # head group r goes to rank r
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # slot r: rank r's tokens, my heads
+    return received.movedim(0, 2).flatten(2, 3)
+
+
+def _heads_to_sequence(x, group):
+    """The inverse of `_sequence_to_heads`."""
+    cp = dist.get_world_size(group)
+    send = x.unflatten(2, (cp, -1)).movedim(2, 0).contiguous()  # rank r's tokens go back to rank r
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # slot r: my tokens, rank r's heads
+    return received.movedim(0, 1).flatten(1, 2)
+
+
+class SequenceToHeads(torch.autograd.Function):
+    """The all-to-all; its gradient is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad.contiguous(), ctx.group), None
+
+
+class HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad.contiguous(), ctx.group), None
+
+
+def ulysses_attention(q, k, v, group, documents=None) -> torch.Tensor:
+    cp = dist.get_world_size(group)
+    heads, kv_heads, local_len = q.shape[1], k.shape[1], q.shape[2]
+    # Each rank gets heads/cp query heads and must get the kv heads they use: with fewer kv heads
+    # than cp, repeat each just enough (lcm(kv_heads, cp) divides heads, which cp divides).
+    repeat = math.lcm(kv_heads, cp) // kv_heads
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    # One all-to-all for q, k and v: per destination rank, its query heads then its k and v heads
+    # (v apart when its head dim differs from q's and k's, as in Multi-head Latent Attention).
+    together = (q, k, v) if v.shape[-1] == q.shape[-1] else (q, k)
+    parts = [t.unflatten(1, (cp, -1)) for t in together]
+    sizes = [p.shape[2] for p in parts]
+    mixed = SequenceToHeads.apply(torch.cat(parts, dim=2).flatten(1, 2), group)
+    if len(together) == 3:
+        q, k, v = mixed.split(sizes, dim=1)
+    else:
+        (q, k), v = mixed.split(sizes, dim=1), SequenceToHeads.apply(v.contiguous(), group)
+    # Slots hold rank 0's tokens, then rank 1's...; attention needs them in sequence order.
+    slot_positions = torch.cat([local_positions(r, cp, local_len, q.device) for r in range(cp)])
+    in_order = slot_positions.argsort()
+    q, k, v = (t.index_select(2, in_order) for t in (q, k, v))
+    if documents is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    else:  # every rank holds the whole sequence (for its heads): the whole sequence's mask
+        out = document_attention(q, k, v, _sequence_documents(documents, group))
+    out = out.index_select(2, slot_positions)  # back to slot order
+    return HeadsToSequence.apply(out.contiguous(), group)

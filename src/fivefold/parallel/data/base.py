@@ -1,0 +1,133 @@
+"""The data-parallel interface every variant implements, and the variant for a layout without
+data parallelism (dp·cp = 1): gradients stay where backward left them."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.mesh import ParallelDims
+from fivefold.parallel.data.buckets import Bucket, make_buckets
+from fivefold.parallel.expert.apply import is_expert_param
+from fivefold.parallel.grad_norm import (
+    clip_coefficient,
+    copies_of_local_piece,
+    global_norm,
+    local_tensor,
+    settle_grad_layout,
+    weighted_square_sum,
+)
+
+
+def trainable(parts: list[nn.Module]) -> list[nn.Parameter]:
+    """Each trainable parameter once, even when two parts (pipeline stages) share it."""
+    seen, params = set(), []
+    for part in parts:
+        for param in part.parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+class DataParallel:
+    """Whole-tensor gradients and optimizer (no data parallelism: dp = 1).
+
+    `parts` are this rank's model parts: the model, or the pipeline stages this rank runs."""
+
+    name = "no data parallelism"
+
+    def __init__(self, parts: list[nn.Module], dims: ParallelDims):
+        self.parts, self.dims = parts, dims
+        self.params = trainable(parts)
+        self.norm_world = dims.world_size // dims.pp  # ranks that together hold one full model
+        # Parameters held on more ranks than the layout says (a tied embedding split across the
+        # first and last pipeline stage): id -> extra factor on their copies.
+        self.extra_copies: dict[int, int] = {}
+        # Expert parameters under expert parallelism: each ep rank holds different experts, and their
+        # gradients meet over the expert-data-parallel group instead of dp·cp (parallel/expert/apply.py).
+        self.expert_ids = ({id(p) for part in parts for n, p in part.named_parameters() if is_expert_param(n)}
+                           if dims.ep > 1 else set())
+
+    def copies(self, param: torch.Tensor) -> int:
+        copies = copies_of_local_piece(param, self.norm_world) * self.extra_copies.get(id(param), 1)
+        return copies // self.dims.ep if id(param) in self.expert_ids else copies
+
+    def reduction_buckets(self, padded_to, group, group_rank, expert_group, expert_rank,
+                          params=None) -> list[Bucket]:
+        """Buckets of dense parameters, reduced over `group`, and apart of expert parameters, reduced
+        over the expert-data-parallel group. Every gradient is divided by all dp·cp ranks: an expert
+        already summed the tokens of its whole ep group. Each bucket carries its group, its size,
+        this rank's place in it (None: not needed) and the gradient scale. `params`: a subset of
+        this rank's parameters (default all)."""
+        params = self.params if params is None else params
+        dense = [p for p in params if id(p) not in self.expert_ids]
+        expert = [p for p in params if id(p) in self.expert_ids]
+        buckets = []
+        for params, grp, rank in ((dense, group, group_rank), (expert, expert_group, expert_rank)):
+            if not params:
+                continue
+            size = dist.get_world_size(grp)
+            pad = size if padded_to is None else padded_to
+            for bucket in make_buckets(params, padded_to=pad):
+                bucket.group, bucket.group_size, bucket.group_rank = grp, size, rank
+                bucket.scale = 1.0 / (self.dims.dp * self.dims.cp)  # HSDP's replica all-reduce adds, too
+                buckets.append(bucket)
+        return buckets
+
+    @contextlib.contextmanager
+    def grad_sync(self, is_last: bool):
+        """Wraps one micro-batch's forward and backward; `is_last` marks the step's last one."""
+        self.begin_micro_batch(is_last)
+        yield
+        self.end_micro_batch()
+
+    def begin_micro_batch(self, is_last: bool) -> None:
+        pass
+
+    def sum_tied(self, pipeline, group) -> None:
+        """Sum the gradients of a pipeline's tied embedding copies (`group`: the ranks holding them)."""
+        pipeline.sum_tied_grads(group)
+
+    def end_micro_batch(self) -> None:
+        pass
+
+    def finish_grads(self) -> None:
+        for param in self.params:
+            settle_grad_layout(param)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        with_grads = [p for p in self.params if p.grad is not None]
+        grads = [p.grad for p in with_grads]
+        norm = global_norm(weighted_square_sum([(local_tensor(p.grad), self.copies(p)) for p in with_grads]))
+        coefficient = clip_coefficient(norm, max_norm)
+        if coefficient < 1.0:
+            torch._foreach_mul_([local_tensor(g) for g in grads], coefficient)
+        return norm
+
+    def build_optimizer(self, make_optimizer) -> torch.optim.Optimizer:
+        """`make_optimizer(tensors)` builds the optimizer over the tensors this rank updates."""
+        return make_optimizer(self.params)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """Gradient storage beyond `param.grad` (flat buckets, sharded gradients)."""
+        return []
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds now for parameters, gradients and optimizer state (incl. masters)."""
+        def size(tensors) -> int:
+            return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
+
+        state = [v for s in optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        masters = [p for group in optimizer.param_groups for p in group["params"]
+                   if not any(p is q for q in self.params)]
+        return {"params": size(self.params),
+                "grads": size([p.grad for p in self.params if p.grad is not None] + self.gradient_buffers()),
+                "optimizer": size(state) + size(masters)}

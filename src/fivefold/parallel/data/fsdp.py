@@ -1,0 +1,45 @@
+"""ZeRO-3 with PyTorch's FSDP2 `fully_shard`: parameters, gradients and optimizer state sharded.
+
+Each transformer block is one FSDP unit (gathered just before it runs, freed right after forward,
+gathered again for backward); the root unit holds the embedding, final norm and output layer.
+Under the zero-bubble pipeline schedules blocks stay gathered from forward to backward
+(`reshard_after_forward=False`): their backward is split into an input pass and a weight pass, and
+PyTorch's pipeline stage collects the weights for the second from the module's parameters at the
+start of the first — sharded ones would be missed, and their gradients silently lost.
+With dp_replicate > 1 the mesh is 2-D and FSDP2 runs HSDP: shard inside, replicate across.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.fsdp import fully_shard
+
+from fivefold.models.moe import moe_layers
+from fivefold.parallel.data.base import DataParallel
+
+
+class FullyShardedDataParallel(DataParallel):
+    def __init__(self, parts, dims, mesh, reshard_after_forward: bool = True):
+        hsdp = dims.dp_replicate > 1
+        # cp ranks hold the same weights as their dp peers, so they shard them together.
+        self.dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if hsdp else mesh["dp_shard_cp"]
+        for part in parts:
+            for block in part.layers.values():
+                for moe in moe_layers(block) if dims.ep > 1 else []:
+                    # Expert weights: sharded over the ranks holding the same experts, gradients summed
+                    # there and divided by all dp·cp ranks (an expert saw its whole ep group's tokens).
+                    experts = moe.experts
+                    fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=reshard_after_forward)
+                    experts.set_gradient_divide_factor(float(dims.dp * dims.cp))
+                    # Sum, then divide (gloo has no PREMUL_SUM); not on one rank, where FSDP divides
+                    # without communicating and a forced sum would divide a second time.
+                    experts.set_force_sum_reduction_for_comms(mesh["edp"].size() > 1)
+                fully_shard(block, mesh=self.dp_mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(part, mesh=self.dp_mesh)
+        super().__init__(parts, dims)  # parameters are DTensors from here on
+        self.name = (f"zero 3 (FSDP2): parameters, gradients and optimizer state sharded over "
+                     f"{dims.dp_shard * dims.cp} ranks" + (f", replicated x{dims.dp_replicate} (HSDP)" if hsdp else ""))
+
+    def begin_micro_batch(self, is_last: bool) -> None:
+        # Accumulate unreduced gradients until the last micro-batch, then reduce-scatter once.
+        for part in self.parts:
+            part.set_requires_gradient_sync(is_last)

@@ -1,0 +1,138 @@
+"""`fivefold convert SRC DST`: fivefold checkpoints to and from Hugging Face folders, streamed.
+
+- A fivefold checkpoint (a step_N folder, or a checkpoint root with `latest`), written by any
+  layout, becomes a Hugging Face folder that transformers loads (config.json and safetensors shards
+  with an index, as transformers writes them), one tensor in memory at a time: DCP loads each tensor
+  alone into a tensor allocated for it, and the shard files are written as the tensors arrive.
+- A Hugging Face folder becomes a weights-only fivefold checkpoint: the model's tensors (fp32, in
+  torch.distributed.checkpoint files), state.json marked weights_only, and config.toml with the
+  model's [model] section; each box is read from the safetensors files when DCP writes it. Training
+  from it: `fivefold train DST/config.toml --checkpoint.resume DST` (a fresh optimizer, data and
+  schedule from step 0, the imported weights).
+Checkpoints store every tensor under its single-device name and whole shape, whichever layout
+wrote them, so one process reads (or writes) them here, with no process group. Peak memory is
+about the largest tensor (twice it when DCP reads a tensor stored whole), not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fivefold.config import Config, ConfigError, load_config, to_toml
+from fivefold.models.hf import DEFAULT_SHARD_BYTES, model_from_tensors
+from fivefold.models.hf_stream import HFBoxes, write_hf_folder
+from fivefold.train.state_shapes import check_shapes
+from fivefold.train import sharded_io
+from fivefold.train.checkpoint import FORMAT, LATEST, expected_tensors, follow_latest, read_state, read_tensors
+
+BLOCK_BYTES = 256 * 2**20  # the largest box an import writes (and a later reader of a slice loads)
+
+
+def _model_config(state: dict, path: Path):
+    try:
+        return load_config(None, {"model": state["model"]}).model
+    except (KeyError, ConfigError) as err:
+        raise ConfigError(f"checkpoint {path}/state.json has no usable [model] settings ({err})") from None
+
+
+def checkpoint_folder(path) -> Path:
+    path = Path(path)
+    if (path / LATEST).is_file() and not (path / "state.json").is_file():
+        path = follow_latest(path)
+    if not (path / "state.json").is_file():
+        raise ConfigError(f"{path} is not a fivefold checkpoint (no state.json)")
+    return path
+
+
+def checkpoint_to_model(path) -> torch.nn.Module:
+    """The single-device model with the weights of a fivefold checkpoint (any saving layout), read
+    into fresh tensors: the peak is the model plus one stored piece."""
+    path = checkpoint_folder(path)
+    cfg = _model_config(read_state(path), path)
+    return model_from_tensors(cfg, read_tensors(path, cfg))
+
+
+def checkpoint_to_hf(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """A Hugging Face folder from a fivefold checkpoint, one tensor in memory at a time."""
+    path = checkpoint_folder(src)
+    cfg = _model_config(read_state(path), path)
+    expected = expected_tensors(cfg, with_optimizer=False)  # in state-dict order, which the shards follow
+    check_shapes(path, sharded_io.shapes(path), expected, "model")
+    dtypes = sharded_io.dtypes(path)
+
+    def read(name: str) -> torch.Tensor:  # DCP loads a subset of keys into tensors we allocate
+        key = f"model/{name}"
+        tensor = torch.empty(expected[key], dtype=dtypes[key])
+        sharded_io.load({key: sharded_io.whole(tensor)}, path, single_process=True)
+        return tensor
+
+    return write_hf_folder(dst, cfg, {key.removeprefix("model/"): (shape, dtypes[key])
+                                      for key, shape in expected.items()}, read, max_shard_bytes)
+
+
+def _boxes(shape: tuple, stacked: bool, block_bytes: int):
+    """(offsets, sizes) covering a whole tensor: one expert at a time, at most block_bytes of fp32
+    rows each (so that a reader of any slice, later, loads pieces of that size, not the tensor)."""
+    head = 1 if stacked else 0  # stacked experts: (experts, out, in)
+    row_bytes = math.prod(shape[head + 1:]) * 4
+    step = max(1, block_bytes // row_bytes)
+    tail = (0,) * (len(shape) - head - 1)
+    for expert in range(shape[0]) if stacked else [None]:
+        lead = () if expert is None else (expert,)
+        for row in range(0, shape[head], step):
+            yield (*lead, row, *tail), (*(1,) * head, min(step, shape[head] - row), *shape[head + 1:])
+
+
+class _OnDemand(sharded_io.Pieces):
+    """A tensor's boxes as shapes only (meta tensors) until DCP asks for one's data (`find`)."""
+
+    def __init__(self, reader: HFBoxes, name: str, shape: tuple, block_bytes: int):
+        super().__init__(torch.Size(shape), torch.float32)
+        self.reader, self.name = reader, name
+        for offsets, sizes in _boxes(shape, reader.adapter.is_stacked(name), block_bytes):
+            self.add(offsets, torch.empty(sizes, device="meta"))
+
+    def find(self, index) -> torch.Tensor:
+        box = self.reader(self.name, self.shape, index.offset, super().find(index).shape)
+        self.reader.close()  # unmap: the pages just read would otherwise stay in this process's RSS
+        return box
+
+
+def hf_to_checkpoint(src, dst, block_bytes: int = BLOCK_BYTES) -> Path:
+    """A weights-only fivefold checkpoint from a Hugging Face folder, one box in memory at a time.
+
+    One DCP save writes every box into a data file of its own: DCP keeps each tensor of a data file
+    referenced until that file is closed (FileSystemWriter's per-file dict), so the usual one file
+    per rank would end up holding the whole model.
+    """
+    reader = HFBoxes(src)  # fp32: the trainer's master precision
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    state = {f"model/{name}": _OnDemand(reader, name, shape, block_bytes) for name, shape in reader.shapes.items()}
+    sharded_io.quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(
+        str(dst), single_file_per_rank=False, thread_count=1),
+        planner=sharded_io._SavePlanner(flatten_state_dict=False), single_process=True)
+    cfg = Config(model=reader.cfg)
+    (dst / "state.json").write_text(json.dumps({"format": FORMAT, "step": 0, "weights_only": True,
+                                                "model": cfg.to_dict()["model"]}, indent=1))
+    (dst / "config.toml").write_text(to_toml(cfg))
+    return dst
+
+
+def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+    """Direction from what SRC is; returns a one-line summary."""
+    src = Path(src)
+    if (src / "config.json").is_file():
+        hf_to_checkpoint(src, dst)
+        return f"wrote fivefold checkpoint {dst} (train from it: fivefold train {dst}/config.toml " \
+               f"--checkpoint.resume {dst})"
+    if (src / "state.json").is_file() or (src / "latest").is_file():
+        checkpoint_to_hf(src, dst, max_shard_bytes)
+        return f"wrote Hugging Face folder {dst}"
+    raise ConfigError(f"{src} is neither a Hugging Face folder (config.json) nor a fivefold checkpoint "
+                      "(state.json or latest)")
