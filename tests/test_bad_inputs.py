@@ -96,6 +96,22 @@ KEYS = [
     ("eval-under-zbv", ["--model.n_layers", "4", "--parallel.pp", "2", "--parallel.pp_schedule", "zbv",
                         "--parallel.pp_virtual", "2", "--train.micro_batch", "1", "--train.eval_every", "10"],
      "train.eval_every=10 cannot evaluate under parallel.pp_schedule='zbv'"),
+    # issue 27: elastic dp, preemption, traces, snapshots, W&B
+    ("dp0-not-a-multiple", ["--parallel.dp", "0", "--parallel.tp", "2", "--nproc", "3"],
+     "parallel.dp=0 takes dp from the world size, but the job's 3 ranks are not a multiple of parallel.tp*pp*cp = 2*1*1 = 2"),
+    ("dp0-without-world", ["--parallel.dp", "0"], "parallel.dp=0 takes dp from the world size: give --nproc N"),
+    ("dp-negative", ["--parallel.dp", "-1"], "parallel.dp must be >= 0 (0 = the world size / (tp*pp*cp)), got -1"),
+    ("stop-grace-zero", ["--checkpoint.stop_grace_s", "0"], "checkpoint.stop_grace_s must be > 0, got 0.0"),
+    ("stop-signal-unknown", ["--debug.stop_signal", "SIGKILL"], "debug.stop_signal='SIGKILL' is not one of SIGTERM, SIGUSR1, SIGINT"),
+    ("profile-steps-text", ["--log.dir", "runs/x", "--log.profile_steps", "three"],
+     "log.profile_steps='three' must be step numbers and ranges from 1, e.g. '3' or '3,10-12'"),
+    ("profile-steps-past-the-end", ["--log.dir", "runs/x", "--log.profile_steps", "1,5-900"],
+     "log.profile_steps='1,5-900' names step 900, after the run's last (train.steps=300)"),
+    ("profile-steps-without-dir", ["--log.profile_steps", "2"],
+     "log.profile_steps writes its files under log.dir, which is not set; set log.dir"),
+    ("memory-snapshot-on-cpu", ["--log.dir", "runs/x", "--log.memory_snapshot", "true"],
+     "log.memory_snapshot records the CUDA allocator's history, and this machine has no CUDA device"),
+    ("wandb-mode-unknown", ["--log.wandb_mode", "cloud"], "log.wandb_mode='cloud' is not one of online, offline"),
 ]
 
 

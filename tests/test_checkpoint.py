@@ -63,6 +63,9 @@ def four_ranks(root: str) -> dict:
     # These runs save too (step 6), so their gathered weights and AdamW state can be compared.
     out = {label: _train(_with(layout, resume=f"{root}/dense/step_00000003", dir=f"{root}/{label}", every=3))
            for label, layout in FOUR_RANK_RESUMES.items()}
+    # parallel.dp = 0: dp follows the world size (4 here); the global batch is kept, each rank's share halves.
+    out["dp0 on 4 ranks"] = _train(_with({"parallel": {"dp": 0}}, resume=f"{root}/dense/step_00000003"))
+    out["dp0 saving"] = _train(_with({"parallel": {"dp": 0, "zero": 1}}, dir=f"{root}/elastic", every=3))
     out["moe ep4"] = _train(_with({"model": MOE, "parallel": {"dp": 4, "ep": 4}},
                                   resume=f"{root}/moe/step_00000003"))
     out["moe dp2 tp2 ep2 zero2"] = _train(_with({"model": MOE, "parallel": {"dp": 2, "tp": 2, "ep": 2, "zero": 2}},
@@ -118,6 +121,20 @@ def test_resume_two_rank_layouts(two, label):
 def test_resume_four_rank_layouts(four, two, label):
     assert four[label]["steps"] == [4, 5, 6]
     _assert_close(four[label]["losses"], two["full"]["losses"][3:], label)
+
+
+def test_elastic_dp_follows_the_world_size(four, two, root):
+    """The same config (parallel.dp = 0) on 2, 4 and 1 ranks continues one run: dp2's checkpoint
+    goes on as dp4, dp4's as one process, with the uninterrupted losses."""
+    from fivefold.train.trainer import train
+
+    want = two["full"]["losses"]
+    assert four["dp0 on 4 ranks"]["steps"] == [4, 5, 6]
+    _assert_close(four["dp0 on 4 ranks"]["losses"], want[3:], "dp2 -> dp0 on 4 ranks")
+    _assert_close(four["dp0 saving"]["losses"], want, "dp0 on 4 ranks from the start")
+    one = train(tiny_config(_with({"parallel": {"dp": 0}}, resume=f"{root}/elastic/step_00000003")))
+    assert [r["step"] for r in one.records] == [4, 5, 6]
+    _assert_close(one.losses, want[3:], "dp4 -> dp0 on 1 process")
 
 
 @pytest.mark.parametrize("label", list(FOUR_RANK_RESUMES))
@@ -183,10 +200,11 @@ def saved(tmp_path_factory):
     return path / "step_00000002"
 
 
-def _resume(path, **model):
+def _resume(path, verify="sizes", **model):
     from fivefold.train.trainer import train
 
-    return train(tiny_config({"train": {"steps": 3}, "model": model, "checkpoint": {"resume": str(path)}}))
+    return train(tiny_config({"train": {"steps": 3}, "model": model,
+                              "checkpoint": {"resume": str(path), "verify": verify}}))
 
 
 def _copy(saved, tmp_path):
@@ -195,23 +213,79 @@ def _copy(saved, tmp_path):
     return bad
 
 
+def _reseal(folder):
+    """Rewrite the manifest over a deliberately changed folder, so that the checks behind it
+    (DCP's own reads, the metadata allow-list, the shapes) are what meets the damage."""
+    from fivefold.train import checkpoint_manifest
+
+    data = {p.name: checkpoint_manifest.digest(p) for p in folder.glob("*.distcp")}
+    checkpoint_manifest.write(folder, data)
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def test_truncated_file_is_named(saved, tmp_path):
     bad = _copy(saved, tmp_path)
     data = (bad / "__0_0.distcp").read_bytes()
     (bad / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=rf"checkpoint {bad} is damaged: __0_0.distcp is {len(data) // 2} bytes "
+                                          rf"but {len(data)} were written \(truncated or still being copied\); "
+                                          r"resume from another checkpoint"):
+        _resume(bad)
+    _reseal(bad)  # behind the manifest, DCP's read still refuses it in one sentence
     with pytest.raises(ConfigError, match=r"bad could not be read: a data file is corrupt, truncated or missing"):
         _resume(bad)
 
 
-def test_missing_file_is_partial(saved, tmp_path):
+def test_missing_file_is_named(saved, tmp_path):
     bad = _copy(saved, tmp_path)
     (bad / ".metadata").unlink()
-    with pytest.raises(ConfigError, match=r"\.metadata is missing; the checkpoint is partial"):
+    with pytest.raises(ConfigError, match=r"is damaged: \.metadata is missing"):
         _resume(bad)
     (bad / "__0_0.distcp").unlink()
     shutil.copy(saved / ".metadata", bad / ".metadata")
-    with pytest.raises(ConfigError, match=r"could not be read: a data file is corrupt, truncated or missing"):
+    with pytest.raises(ConfigError, match=r"is damaged: __0_0.distcp is missing"):
         _resume(bad)
+    (bad / "manifest.json").unlink()
+    with pytest.raises(ConfigError, match=r"is damaged: manifest.json is missing \(the save did not finish\)"):
+        _resume(bad)
+
+
+def test_flipped_byte_is_named(saved, tmp_path):
+    bad = _copy(saved, tmp_path)
+    _flip_a_byte(bad / "__0_0.distcp")
+    with pytest.raises(ConfigError, match=r"is damaged: __0_0.distcp does not match its checksum"):
+        _resume(bad, verify="full")  # the default ("sizes") reads only the small files' checksums
+    _flip_a_byte(bad / "__0_0.distcp")
+    _flip_a_byte(bad / "config.toml")
+    with pytest.raises(ConfigError, match=r"is damaged: config.toml does not match its checksum"):
+        _resume(bad)
+
+
+def test_auto_skips_a_damaged_newest_checkpoint(tmp_path, capsys):
+    """Under resume = auto the newest whole checkpoint is used, with a warning naming each damaged
+    newer one; when none is whole, one sentence instead of a start from step 0."""
+    from fivefold.train.trainer import train
+
+    run = {"train": {"steps": 4}, "checkpoint": {"dir": str(tmp_path), "every": 2}}
+    full = train(tiny_config(run))
+    _flip_a_byte(tmp_path / "step_00000004" / "__0_0.distcp")
+    capsys.readouterr()
+    resumed = train(tiny_config({**run, "checkpoint": {"dir": str(tmp_path), "resume": "auto", "verify": "full"}}))
+    assert f"warning: skipped damaged checkpoint {tmp_path}/step_00000004 (__0_0.distcp does not match its " \
+           f"checksum (the file was altered or damaged)); resuming from {tmp_path}/step_00000002" in capsys.readouterr().err
+    assert [r["step"] for r in resumed.records] == [3, 4]
+    assert resumed.losses == full.losses[2:]  # step 2's checkpoint resumes bit for bit
+    for step in ("00000002", "00000004"):
+        (tmp_path / f"step_{step}" / "state.json").unlink()
+    with pytest.raises(ConfigError, match=rf"no whole checkpoint under {tmp_path}: {tmp_path}/step_00000004 "
+                                          r"\(state.json is missing\); .*step_00000002 \(state.json is missing\); "
+                                          r"restore one from a copy"):
+        train(tiny_config({**run, "checkpoint": {"dir": str(tmp_path), "resume": "auto"}}))
 
 
 def test_shape_mismatch_names_the_tensor(saved, tmp_path):
@@ -220,6 +294,7 @@ def test_shape_mismatch_names_the_tensor(saved, tmp_path):
     state = json.loads((bad / "state.json").read_text())
     state["model"].update(dim=96, head_dim=24)
     (bad / "state.json").write_text(json.dumps(state))
+    _reseal(bad)
     with pytest.raises(ConfigError, match=r"tensor 'tok_embeddings.weight' has shape \[256, 64\] but this "
                                           r"model expects \[256, 96\]"):
         _resume(bad, dim=96)
@@ -243,6 +318,7 @@ def test_loading_never_unpickles(saved, tmp_path):
 
     bad = _copy(saved, tmp_path)
     (bad / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    _reseal(bad)  # a forger can rewrite the manifest too: the allow-list must still refuse it
     with pytest.raises(ConfigError, match=r"\.metadata is corrupt or not a fivefold checkpoint "
                                           r"\((posix|nt)\.system is not allowed in checkpoint metadata\)"):
         _resume(bad)

@@ -74,7 +74,9 @@ def test_train_help_lists_every_key_with_its_default_and_help(capsys):
     # Help from a trailing comment, from a comment block above the field, and from the table.
     assert re.search(r"--train.global_batch 16 +sequences per optimizer step; > 0$", out, re.MULTILINE)
     assert re.search(r"--model.family \"\" +The ModelSpec \(models/registry.py\)", out, re.MULTILINE)
-    assert re.search(r"--parallel.dp 1 +data-parallel degree; > 0$", out, re.MULTILINE)
+    assert re.search(r"--model.moe.n_shared_experts 0 +experts every token goes through, beside the routed ones",
+                     out, re.MULTILINE)
+    assert re.search(r"--parallel.dp 1 +data-parallel degree \(elastic when 0: the same config on$", out, re.MULTILINE)
     # The accepted values come from the key's declaration (config_checks.checked).
     assert re.search(r"--train.beta1 0.9 +AdamW beta1; in \[0, 1\)$", out, re.MULTILINE)
     assert "--nproc N" in out and "--max-restarts K" in out  # the launcher's own options
@@ -121,7 +123,7 @@ def test_the_console_script_help_has_no_traceback():
         assert "Traceback" not in done.stderr, (args, done.stderr)
         assert done.returncode == (2 if args == ["nonsense"] else 0), (args, done.stderr)
     assert done.stderr.strip() == ("error: unknown command 'nonsense'; the commands are train, config, layout, "
-                                   "plan, prepare, convert, generate, viz (see `fivefold --help`)")
+                                   "plan, prepare, convert, generate, report, viz (see `fivefold --help`)")
 
 
 # --- the shipped configs -------------------------------------------------------------------------

@@ -43,9 +43,39 @@ def test_orders_with_cp_outside_dp_are_refused():
     assert len(ORDERS) == 12  # the 24 orders less the 12 with cp before dp
 
 
+def _orders_then_elastic(layouts: list[dict], saved: str):
+    from fivefold.train.trainer import train
+
+    # parallel.dp = 0 on 8 ranks: dp8 continues a one-process run's checkpoint (elastic growth)
+    resumed = train(tiny_config({"parallel": {"dp": 0}, "checkpoint": {"resume": saved}}))
+    return run_layouts(layouts), ([r["step"] for r in resumed.records], resumed.losses)
+
+
 @pytest.fixture(scope="module")
-def order_results():
-    return run_on_ranks(8, run_layouts, LAYOUTS)
+def grown(tmp_path_factory):
+    """A single-process run's checkpoint of step 3 of 6, for the 8 ranks to continue."""
+    from fivefold.train.trainer import train
+
+    root = tmp_path_factory.mktemp("one-process")
+    train(tiny_config({"checkpoint": {"dir": str(root), "every": 3}}))
+    return str(root / "step_00000003")
+
+
+@pytest.fixture(scope="module")
+def spawned(grown):
+    return run_on_ranks(8, _orders_then_elastic, LAYOUTS, grown)
+
+
+@pytest.fixture(scope="module")
+def order_results(spawned):
+    return [layouts for layouts, _ in spawned]
+
+
+def test_one_process_checkpoint_continues_on_eight_ranks_with_dp_from_the_world_size(spawned):
+    want = reference({}).losses[3:]
+    for rank, (_, (steps, losses)) in enumerate(spawned):
+        assert steps == [4, 5, 6], f"rank {rank}"
+        assert losses == pytest.approx(want, rel=1e-5), f"rank {rank}"
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(l["parallel"]) for l in LAYOUTS])

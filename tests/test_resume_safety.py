@@ -8,7 +8,7 @@ import pytest
 from layouts import tiny_config
 
 from fivefold.config import ConfigError
-from fivefold.train import checkpoint
+from fivefold.train import checkpoint, resume_checks
 from fivefold.train.optim import lr_multiplier
 from fivefold.train.trainer import train
 
@@ -32,7 +32,7 @@ def moe(tmp_path_factory):
 def _refused(path, model: dict, key: str, was, now):
     cfg = tiny_config({"train": {"steps": 3}, "model": model, "checkpoint": {"resume": str(path)}})
     with pytest.raises(ConfigError) as err:
-        checkpoint.check_model(path, checkpoint.read_state(path), cfg)
+        resume_checks.check_model(path, checkpoint.read_state(path), cfg)
     assert str(err.value) == (f"checkpoint {path} is of another model (model.{key} {was!r} -> {now!r}, saved -> "
                               f"this run); resume it with its own [model] settings (its config.toml) or start "
                               f"this model without checkpoint.resume")
@@ -69,7 +69,7 @@ def test_two_keys_are_listed_and_a_real_resume_stops(dense):
 def test_keys_that_do_not_change_the_model_are_not_compared(dense):
     cfg = tiny_config({"model": {"preset": "tiny", "max_seq_len": 512, "moe": {"aux_loss_coeff": 0.5}}})
     cfg.model.init_from = "hf-folder"  # where the weights came from, not what the model computes
-    checkpoint.check_model(dense, checkpoint.read_state(dense), cfg)  # no error
+    resume_checks.check_model(dense, checkpoint.read_state(dense), cfg)  # no error
 
 
 def test_new_lr_wins_with_one_warning(dense, capsys):

@@ -1,4 +1,4 @@
-"""The private PyTorch internals fivefold reaches (src/fivefold/torch_internals.py) are all in the
+"""The private PyTorch internals fivefold reaches (src/fivefold/torch_internals/) are all in the
 installed torch; when a release changes one, the failure is one sentence naming it."""
 
 from __future__ import annotations
@@ -31,16 +31,18 @@ def test_a_stage_method_gone_is_named(monkeypatch, method):
     missing = torch_internals.missing()  # backward_one_chunk: its signature's check fails too
     assert missing and all(f"PipelineStage.{method}" in m for m in missing), missing
     assert any(f"has no PipelineStage.{method} " in m for m in missing), missing
-    assert "src/fivefold/parallel/pipeline/stages.py" in missing[0] and "torch_internals.py" in missing[0]
+    assert "src/fivefold/parallel/pipeline/stages.py" in missing[0] and "torch_internals/" in missing[0]
 
 
 def test_an_init_attribute_gone_is_named(monkeypatch):
     """fwd_cache exists only on a built stage: the check reads PipelineStage's __init__."""
-    sources = torch_internals._sources
+    from fivefold.torch_internals import checks
+
+    sources = checks._sources
 
     def without_fwd_cache(cls, member):
         return sources(cls, member).replace("self.fwd_cache", "self.forward_cache")
-    monkeypatch.setattr(torch_internals, "_sources", without_fwd_cache)
+    monkeypatch.setattr(checks, "_sources", without_fwd_cache)
     missing = torch_internals.missing()
     assert len(missing) == 1 and "has no PipelineStage.fwd_cache," in missing[0], missing
 

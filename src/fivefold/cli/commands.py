@@ -162,9 +162,8 @@ def cmd_train(args: list[str]) -> int:
         overrides = _auto_layout(own, args, config_path, overrides, free, launched_by_torchrun())
     if own.dry_run:
         cfg = load_config(config_path, overrides)
-        p = cfg.parallel  # without --nproc: the config's own world, as `fivefold layout` does
         given = any(a.startswith("--nproc") for a in args)
-        validate(cfg, own.nproc * own.nnodes if given else p.dp * p.tp * p.pp * p.cp)
+        validate(cfg, own.nproc * own.nnodes if given else _config_world(cfg))  # as `fivefold layout` does
         from fivefold.tools.rank_map import format_rank_map
         from fivefold.train.supported import check_supported
 
@@ -192,14 +191,21 @@ def cmd_train(args: list[str]) -> int:
                         own.rdzv, own.rdzv_id)
 
 
+def _config_world(cfg) -> int:
+    """The world size a config's own degrees make (what `fivefold layout` checks without --nproc)."""
+    p = cfg.parallel
+    if not p.dp:
+        raise ConfigError("parallel.dp=0 takes dp from the world size: give --nproc N (the ranks to lay out)")
+    return p.dp * p.tp * p.pp * p.cp
+
+
 def cmd_layout(args: list[str]) -> int:
     """The rank map of a config, checked as a launch of --nproc ranks would be, without training."""
     parser = _layout_parser()
     own, rest = parser.parse_known_args(args)
     config_path, overrides = _split_config(rest)
     cfg = load_config(config_path, overrides)
-    p = cfg.parallel
-    world = own.nproc or p.dp * p.tp * p.pp * p.cp
+    world = own.nproc or _config_world(cfg)
     validate(cfg, world)
     if own.build:
         if not 0 <= own.rank < world:
@@ -286,8 +292,20 @@ def cmd_generate(args: list[str]) -> int:
     return 0
 
 
+def cmd_report(args: list[str]) -> int:
+    """A run's metrics drawn as pictures in RUN_DIR/report/."""
+    if len(args) != 1 or args[0].startswith("-"):
+        raise ConfigError("usage: fivefold report RUN_DIR (the log.dir of a run)")
+    from fivefold.tools.report import draw_report
+
+    drawn = draw_report(args[0])
+    print(f"wrote {len(drawn)} pictures to {args[0].rstrip('/')}/report: "
+          + "; ".join(f"{name} ({', '.join(titles)})" for name, titles in drawn.items()))
+    return 0
+
+
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "layout": cmd_layout, "config": cmd_config, "plan": cmd_plan, "viz": cmd_viz,
-            "convert": cmd_convert, "generate": cmd_generate}
+            "convert": cmd_convert, "generate": cmd_generate, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,8 @@ COMMANDS = {
     "generate": ("print a sample from a trained checkpoint",
                  '  fivefold generate CHECKPOINT --prompt "TEXT" [--tokens 200] [--temperature 0.8] [--seed 0]\n'
                  "                    [--tokenizer byte|TOKENIZER.json]   (temperature 0 = greedy)"),
+    "report": ("draw a run's metrics as pictures (loss, speed, memory per rank, bubble, MoE load)",
+               "  fivefold report RUN_DIR   (the run's log.dir; writes RUN_DIR/report/*.png)"),
     "viz": ("draw a pipeline schedule",
             "  fivefold viz schedule --schedule 1f1b --pp 4 [--virtual 1] [--micro-batches 8] --out FILE.png"),
 }
@@ -78,7 +80,6 @@ UNCOMMENTED = {
     "model.qk_rope_head_dim": "multi-head latent attention: the shared RoPE key's dims",
     "model.v_head_dim": "multi-head latent attention: per-head value dims",
     "model.mtp_loss_weight": "weight of the multi-token-prediction loss (mean over its depths) in the gradients",
-    "parallel.dp": "data-parallel degree",
     "parallel.tp": "tensor-parallel degree",
     "parallel.pp": "pipeline-parallel degree (stages)",
     "parallel.pp_schedule": "gpipe | 1f1b | interleaved_1f1b | zb | zbv | dualpipev",

@@ -104,7 +104,9 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int = checked(1, gt=0)
+    # data-parallel degree (elastic when 0: the same config on fewer or more ranks, the global batch
+    # kept by the number of micro-batches; config.validate.resolve_dp sets it at launch)
+    dp: int = checked(1, ge=0, note="0 = the world size / (tp*pp*cp)")
     zero: int = checked(0, choices=(0, 1, 2, 3), note=ZERO_STAGES)  # 0 replicate, 1 shard optimizer, 2 + gradients, 3 + parameters (FSDP)
     dp_shard: int = checked(0, ge=0, note="0 = all of dp")  # HSDP: size of the sharded sub-group; 0 = all of dp
     tp: int = checked(1, gt=0)
@@ -178,6 +180,12 @@ class CheckpointConfig:
     keep: int = checked(3, ge=1)
     resume: str = "none"  # none | auto | path
     async_save: bool = False  # rank 0 writes in a background thread while training continues
+    # After SIGTERM/SIGUSR1/SIGINT (train/preemption.py): seconds to end the step and save it before
+    # the rank exits anyway; keep it under the scheduler's kill delay (SLURM KillWait, 30 s by default).
+    stop_grace_s: float = checked(25.0, gt=0)
+    # On load: "sizes" checks every file's size and the small files' CRC-32 (free); "full" also reads
+    # every data file's CRC-32 (a flipped bit), 57% of a warm load of 1 GB (benchmarks/checkpoint_verify.py)
+    verify: str = checked("sizes", choices=("sizes", "full"))
 
 
 @dataclass
@@ -192,6 +200,8 @@ class DebugConfig:
     slow_step_s: float = checked(0.0, ge=0)  # rank `crash_rank` spends this much longer on every step (a straggler)
     slow_save_step: int = checked(0, ge=0)  # rank 0 pauses half-way through writing this step's checkpoint...
     slow_save_s: float = checked(60.0, ge=0)  # ... for this long (a window in which to kill the job mid-save)
+    stop_at_step: int = checked(0, ge=0)  # rank `crash_rank` sends itself `stop_signal` as step N ends (preemption)
+    stop_signal: str = checked("SIGTERM", choices=("SIGTERM", "SIGUSR1", "SIGINT"))  # the signal stop_at_step sends
 
 
 @dataclass
@@ -206,6 +216,16 @@ class LogConfig:
     # MoE: warn (once per expert) when an expert has received no tokens for this many steps in a
     # row, a sign of router collapse; 0 = off.
     dead_expert_steps: int = checked(100, ge=0, note="0 = off")
+    # Steps torch.profiler records, one Chrome trace per rank and step under <log.dir>/traces (open
+    # in Perfetto or chrome://tracing), e.g. "3" or "3,10-12"; empty = none.
+    profile_steps: str = ""
+    # CUDA: record the allocator's history and write a snapshot per rank under <log.dir>/memory at the
+    # end of the run and on out-of-memory (drag it onto pytorch.org/memory_viz).
+    memory_snapshot: bool = False
+    wandb: bool = False  # also log every step to Weights & Biases (pip install 'fivefold[wandb]')
+    wandb_project: str = "fivefold"  # the W&B project the run is logged to
+    # offline: the run is written under <log.dir>/wandb and uploaded later with `wandb sync`
+    wandb_mode: str = checked("online", choices=("online", "offline"))
 
 
 @dataclass

@@ -121,7 +121,7 @@ def _check_train(cfg: Config) -> None:
 
 def _check_parallel(cfg: Config, world_size: int | None) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    if p.dp_shard:
+    if p.dp_shard and p.dp:
         _divides("parallel.dp_shard", p.dp_shard, "parallel.dp", p.dp)
         _require(p.dp_shard == p.dp or p.zero > 0, "parallel.dp_shard < parallel.dp (HSDP) needs "
                  "parallel.zero >= 1: there is nothing to shard at zero 0")
@@ -133,7 +133,7 @@ def _check_parallel(cfg: Config, world_size: int | None) -> None:
     _require(order.index("dp") < order.index("cp"), f"parallel.order='{p.order}' puts cp outside dp, "
              "which the data-parallel mesh cannot flatten; put dp before cp (e.g. 'pp,dp,cp,tp')")
 
-    if world_size is not None:
+    if world_size is not None and p.dp:
         product = p.dp * p.tp * p.pp * p.cp
         _require(product == world_size, f"parallel.dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {product} "
                  f"but the job has {world_size} ranks; make the degrees multiply to {world_size}")
@@ -160,17 +160,26 @@ def _check_parallel(cfg: Config, world_size: int | None) -> None:
     _check_pipeline(cfg)
 
     # Batch arithmetic (docs/design.md): global_batch = dp * micro_batch * micro-batches per step.
+    if p.dp:  # dp = 0 is resolved from the world size at launch (resolve_dp); until then nothing to check
+        _check_batch(p, t)
+    _check_experts(cfg, world_size)
+
+
+def _check_batch(p, t) -> None:
     _divides("parallel.dp", p.dp, "train.global_batch", t.global_batch)
     if t.micro_batch:
         per_rank = t.global_batch // p.dp
         _require(per_rank % t.micro_batch == 0, f"train.micro_batch={t.micro_batch} does not divide the "
                  f"per-rank batch train.global_batch/parallel.dp = {per_rank}; choose a divisor of {per_rank}")
 
+
+def _check_experts(cfg: Config, world_size: int | None) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.ep > 1:
         _require(m.moe.n_experts > 0, f"parallel.ep={p.ep} needs an MoE model; set model.moe.n_experts "
                  "(or a preset such as 'tiny-moe'), or parallel.ep=1")
         _divides("parallel.ep", p.ep, "model.moe.n_experts", m.moe.n_experts)
-        if world_size is not None:  # a launch: the degrees are final (`config show` may set ep alone)
+        if world_size is not None and p.dp:  # a launch: the degrees are final (`config show` may set ep alone)
             # ep borrows its ranks from dp·cp, and may borrow tp.
             _divides("parallel.ep", p.ep, "parallel.dp*cp*tp", p.dp * p.cp * p.tp)
     if p.ep_replicas > 0:  # hot-expert replicas (parallel/expert/replicas.py)
@@ -246,8 +255,8 @@ def _check_pipeline(cfg: Config) -> None:
                  f"layers but model.n_layers={m.n_layers}")
         _require(min(counts) >= 1, f"parallel.pp_layers='{p.pp_layers}' gives a stage no layer; every "
                  "stage needs at least one")
-    if t.global_batch % p.dp or (t.micro_batch and (t.global_batch // p.dp) % t.micro_batch):
-        return  # the batch arithmetic check below names that problem
+    if not p.dp or t.global_batch % p.dp or (t.micro_batch and (t.global_batch // p.dp) % t.micro_batch):
+        return  # the batch arithmetic check below names that problem (dp = 0: once resolved)
     n_micro = micro_batches(cfg)
     fix = (f"lower train.micro_batch (now {t.micro_batch or t.global_batch // p.dp} sequences) or raise "
            "train.global_batch")
@@ -267,6 +276,37 @@ def _check_checkpoint(cfg: Config) -> None:
              f"checkpoint.resume='{c.resume}' must be none, auto, or an existing checkpoint folder")
     _require(c.every == 0 or c.dir or cfg.log.dir, "checkpoint.every > 0 needs checkpoint.dir or log.dir "
              "to say where checkpoints go")
+
+
+def parse_steps(text: str) -> set[int]:
+    """log.profile_steps: "3", "3,10-12" -> {3, 10, 11, 12}; ValueError when it is not that."""
+    steps: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        a, b = int(first), int(last or first)
+        if a < 1 or b < a:
+            raise ValueError(part)
+        steps.update(range(a, b + 1))
+    return steps
+
+
+def _check_log(cfg: Config, world_size: int | None) -> None:
+    g = cfg.log
+    try:
+        steps = parse_steps(g.profile_steps)
+    except ValueError:
+        raise ConfigError(f"log.profile_steps='{g.profile_steps}' must be step numbers and ranges from 1, "
+                          "e.g. '3' or '3,10-12'") from None
+    if steps:
+        _require(max(steps) <= cfg.train.steps, f"log.profile_steps='{g.profile_steps}' names step {max(steps)}, "
+                 f"after the run's last (train.steps={cfg.train.steps}); profile earlier steps")
+    for key, on in (("log.profile_steps", bool(steps)), ("log.memory_snapshot", g.memory_snapshot)):
+        _require(not on or bool(g.dir), f"{key} writes its files under log.dir, which is not set; set log.dir")
+    if g.wandb and world_size is not None:  # a launch: the package must be there before any rank starts
+        import importlib.util
+
+        _require(importlib.util.find_spec("wandb") is not None, "log.wandb=true needs the wandb package: "
+                 "pip install 'fivefold[wandb]', or set log.wandb=false")
 
 
 def _check_run_folders(cfg: Config) -> None:
@@ -317,15 +357,32 @@ def ignored_note(cfg: Config) -> str | None:
     return f"ignored for this layout: {listed}" if ignored else None
 
 
+def resolve_dp(cfg: Config, world_size: int | None) -> None:
+    """parallel.dp = 0 takes the data-parallel degree the world size leaves after tp·pp·cp (set in
+    place: from here on the config is the launched layout). Elastic restarts on fewer or more ranks
+    keep the global batch: each rank's share, and so its micro-batches, follow dp."""
+    p = cfg.parallel
+    if p.dp or world_size is None:
+        return
+    fixed = p.tp * p.pp * p.cp
+    _require(world_size % fixed == 0, f"parallel.dp=0 takes dp from the world size, but the job's {world_size} "
+             f"ranks are not a multiple of parallel.tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {fixed}; launch a "
+             f"multiple of {fixed} ranks or set parallel.dp")
+    p.dp = world_size // fixed
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Raise ConfigError on the first problem; return the config unchanged when it is sound."""
+    """Raise ConfigError on the first problem; return the config when it is sound (unchanged, but
+    for parallel.dp = 0, which becomes the degree the world size leaves: resolve_dp)."""
     for section in dataclasses.fields(cfg):  # each key's own range and choices (config/schema.py declares them)
         check_fields(getattr(cfg, section.name), section.name)
+    resolve_dp(cfg, world_size)
     _check_model(cfg)
     _check_train(cfg)
     _check_parallel(cfg, world_size)
     check_data(cfg)
     _check_checkpoint(cfg)
+    _check_log(cfg, world_size)
     if world_size is not None:  # a launch writes there (`config show` and `plan` write nothing)
         _check_run_folders(cfg)
     return cfg

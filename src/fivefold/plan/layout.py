@@ -159,8 +159,9 @@ def parse_layout_line(line: str, number: int, base: Layout | None = None) -> Lay
 def layout_from_config(cfg: Config) -> Layout:
     """The layout a config already describes (the base that --layout keys override)."""
     p, t = cfg.parallel, cfg.train
-    mbs = t.micro_batch or t.global_batch // p.dp  # 0: each rank's whole share at once
-    return Layout(dp=p.dp, zero=p.zero, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, mbs=mbs,
+    dp = p.dp or 1  # dp = 0 (the world size decides): planned as one replica until a launch resolves it
+    mbs = t.micro_batch or t.global_batch // dp  # 0: each rank's whole share at once
+    return Layout(dp=dp, zero=p.zero, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, mbs=mbs,
                   recompute=t.recompute, pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual,
                   dp_shard=p.dp_shard, sp=p.sp, cp_method=p.cp_method, pp_layers=p.pp_layers)
 

@@ -26,8 +26,8 @@ import torch.distributed.checkpoint as dcp
 from fivefold.config import Config, ConfigError, load_config, to_toml
 from fivefold.models.hf import DEFAULT_SHARD_BYTES, model_from_tensors
 from fivefold.models.hf_stream import HFBoxes, write_hf_folder
+from fivefold.train import checkpoint_manifest, sharded_io
 from fivefold.train.state_shapes import check_shapes
-from fivefold.train import sharded_io
 from fivefold.train.checkpoint import FORMAT, LATEST, expected_tensors, follow_latest, read_state, read_tensors
 
 BLOCK_BYTES = 256 * 2**20  # the largest box an import writes (and a later reader of a slice loads)
@@ -119,8 +119,9 @@ def hf_to_checkpoint(src, dst, block_bytes: int = BLOCK_BYTES) -> Path:
         planner=sharded_io._SavePlanner(flatten_state_dict=False), single_process=True)
     cfg = Config(model=reader.cfg)
     (dst / "state.json").write_text(json.dumps({"format": FORMAT, "step": 0, "weights_only": True,
-                                                "model": cfg.to_dict()["model"]}, indent=1))
+                                                "manifest": True, "model": cfg.to_dict()["model"]}, indent=1))
     (dst / "config.toml").write_text(to_toml(cfg))
+    checkpoint_manifest.write(dst, checkpoint_manifest.own_files(dst, 0))  # resume verifies it like a saved one
     return dst
 
 

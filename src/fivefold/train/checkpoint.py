@@ -34,21 +34,13 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError, to_toml
-from fivefold.train import sharded_io
+from fivefold.train import checkpoint_manifest, resume_checks, sharded_io
 from fivefold.train.faults import restart_count
 
 FORMAT = 2  # 1: whole tensors in safetensors (session 1); 2: DCP shards
 LATEST = "latest"
 PREFIX = "step_"
 MARKER = ".fivefold-checkpoint"  # in every folder fivefold writes; nothing without it is deleted
-
-# [model] keys that change neither a tensor's shape nor the model's math are not compared on
-# resume: `preset` and `init_from` only say where the other keys came from, `max_seq_len` only
-# bounds train.seq_len, and the MoE balancing rates are training hyperparameters (like train.*:
-# the new value wins, with the warning).
-NOT_COMPARED = ("preset", "init_from", "max_seq_len")
-TRAINING_KEYS = ("moe.aux_loss_coeff", "moe.bias_update_rate", "mtp_loss_weight")
-
 
 def checkpoint_root(cfg: Config) -> Path | None:
     if cfg.checkpoint.dir:
@@ -164,13 +156,15 @@ def _write(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state
            group) -> None:
     # DCP's save returns on rank 0 only after every rank's pieces are written and the metadata is.
     sharded_io.save(tensors, tmp, process_group=group)
+    data_files = checkpoint_manifest.gather_files(tmp, group)  # each rank checksums what it wrote
     if not is_main:
         return
     if cfg.debug.slow_save_step == state["step"]:  # tests: a window in which to kill the job mid-save
         print(f"debug: pausing {cfg.debug.slow_save_s}s while writing {final}", flush=True)
         time.sleep(cfg.debug.slow_save_s)
-    _write_json(tmp / "state.json", state)
+    _write_json(tmp / "state.json", {**state, "manifest": True})
     (tmp / "config.toml").write_text(to_toml(cfg))
+    checkpoint_manifest.write(tmp, data_files)  # last: a folder without it never was whole
     _fsync_dir(tmp)
     if final.exists():  # the same step saved again after a restart
         if not (final / MARKER).is_file():
@@ -206,31 +200,73 @@ def _prune(root: Path, keep: int, keep_name: str) -> None:
 
 
 def resolve(cfg: Config) -> Path | None:
-    """The checkpoint folder to resume from, or None for a fresh start.
+    """The checkpoint folder to resume from, or None for a fresh start. Collective once a process
+    group exists (every rank verifies its share of the files: train/checkpoint_manifest.py).
 
-    resume='auto' takes the latest under the checkpoint root if there is one; a path names a
-    checkpoint folder or a root with a `latest` marker. A restart by --max-restarts continues from
-    the newest checkpoint this run wrote, whatever `resume` says; only when the run has written none
-    yet does it go back to where the first attempt started."""
+    resume='auto' takes the newest whole checkpoint under the checkpoint root, if any: a damaged
+    newer one is skipped with a warning naming it. A path names a checkpoint folder (refused, in one
+    sentence naming the file, when damaged) or a root with a `latest` marker. A restart by
+    --max-restarts continues from the newest whole checkpoint this run wrote, whatever `resume`
+    says; only when the run has written none yet does it go back to where the first attempt started."""
     mode = cfg.checkpoint.resume
+    full = cfg.checkpoint.verify == "full"  # else sizes, and checksums of the small files only
     if restart_count() > 0:
         root = checkpoint_root(cfg)
         if root is not None and (root / LATEST).is_file():
-            return follow_latest(root)
+            return newest_whole(root, full)
     if mode == "none":
         return None
     if mode == "auto":
         root = checkpoint_root(cfg)
         if root is None or not (root / LATEST).is_file():
             return None
-        return follow_latest(root)
+        return newest_whole(root, full)
     path = Path(mode)
     if (path / "state.json").is_file():
+        damage = _damage(path, full)
+        if damage:
+            raise ConfigError(f"checkpoint {path} is damaged: {damage}; resume from another checkpoint "
+                              f"(e.g. checkpoint.resume=auto takes the newest whole one)")
         return path
     if (path / LATEST).is_file():
-        return follow_latest(path)
+        return newest_whole(path, full)
     raise ConfigError(f"checkpoint.resume='{mode}' is not a checkpoint: it has no state.json and no "
                       "'latest' marker; pass a step_N folder, a checkpoint root, 'auto' or 'none'")
+
+
+_verified: dict[tuple, str | None] = {}  # resolve runs twice per start: verify a folder as it is once
+
+
+def _damage(path: Path, full: bool) -> str | None:
+    """What makes checkpoint `path` unusable, or None (collective: see checkpoint_manifest.verify)."""
+    try:
+        recorded = json.loads((path / "state.json").read_text()).get("manifest")
+    except (OSError, ValueError, AttributeError) as err:
+        return f"state.json is unreadable ({err})"
+    if not recorded:
+        return None  # written before manifests existed: loaded unverified, as then
+    key = (str(path.resolve()), full, *sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()))
+    if key not in _verified:
+        _verified[key] = checkpoint_manifest.verify(path, checksums=full)
+    return _verified[key]
+
+
+def newest_whole(root: Path, full: bool = False) -> Path:
+    """The newest checkpoint under `root` that verifies, warning about each damaged newer one."""
+    # fivefold's own step folders (a foreign one named alike is not ours to read) and what `latest` names
+    latest = root / (root / LATEST).read_text().strip()
+    candidates = sorted({p for p in root.glob(f"{PREFIX}*") if (p / MARKER).is_file()} | {latest}, reverse=True)
+    damaged = []
+    for path in candidates:
+        damage = _damage(path, full) if (path / "state.json").is_file() else "state.json is missing"
+        if damage is None:
+            if damaged and _rank() == 0:
+                print(f"warning: skipped damaged checkpoint{'s' if len(damaged) > 1 else ''} "
+                      f"{'; '.join(damaged)}; resuming from {path}", file=sys.stderr, flush=True)
+            return path
+        damaged.append(f"{path} ({damage})")
+    raise ConfigError(f"no whole checkpoint under {root}: {'; '.join(damaged)}; restore one from a copy, or "
+                      "start afresh with checkpoint.resume=none and another checkpoint.dir")
 
 
 def follow_latest(root: Path) -> Path:
@@ -252,44 +288,6 @@ def read_state(path: Path) -> dict:
         raise ConfigError(f"checkpoint {path} has format {state.get('format') if isinstance(state, dict) else '?'}, "
                           f"this fivefold reads format {FORMAT}")
     return state
-
-
-def _flat(section: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in section.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _changed(saved: dict, now: dict, section: str) -> list[str]:
-    """`section.key saved -> now` for each key both know and that differs (a key an older
-    checkpoint did not record is not compared)."""
-    saved, now = _flat(saved), _flat(now)
-    return [f"{section}.{key} {saved[key]!r} -> {now[key]!r}" for key in now
-            if key in saved and saved[key] != now[key]]
-
-
-def check_model(path: Path, state: dict, cfg: Config) -> None:
-    """Refuse a checkpoint of another model, even one whose tensors happen to have the same shapes."""
-    saved = {k: v for k, v in _flat(state.get("model", {})).items()
-             if k not in NOT_COMPARED and k not in TRAINING_KEYS}
-    differing = _changed(saved, cfg.to_dict()["model"], "model")
-    if differing:
-        raise ConfigError(f"checkpoint {path} is of another model ({', '.join(differing)}, saved -> this run); "
-                          f"resume it with its own [model] settings (its config.toml) or start this model "
-                          f"without checkpoint.resume")
-
-
-def changed_training_keys(state: dict, cfg: Config) -> list[str]:
-    """Training keys that differ from the checkpoint's: on resume the new values win."""
-    model = _flat(state.get("model", {}))
-    saved_training = {k: model[k] for k in TRAINING_KEYS if k in model}
-    now = _flat(cfg.to_dict()["model"])
-    return (_changed(state.get("train", {}), cfg.to_dict()["train"], "train")
-            + _changed(saved_training, {k: now[k] for k in TRAINING_KEYS}, "model"))
 
 
 def expected_tensors(cfg_model, with_optimizer: bool) -> dict[str, tuple]:
@@ -328,7 +326,7 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     from fivefold.train.state_shapes import check_shapes
 
     state = read_state(path)
-    check_model(path, state, cfg)
+    resume_checks.check_model(path, state, cfg)
     weights_only = bool(state.get("weights_only"))  # imported weights (fivefold convert)
     stored = sharded_io.shapes(path)
     check_shapes(path, stored, expected_tensors(cfg.model, with_optimizer=not weights_only),
@@ -352,7 +350,7 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     sampler.load_state_dict(state["sampler"])
     # The rule for changed training keys: this run's values win (the optimizer and schedule are
     # built from them); only the counters come from the checkpoint, and rank 0 says what changed.
-    changed = changed_training_keys(state, cfg)
+    changed = resume_checks.changed_training_keys(state, cfg)
     if changed and _rank() == 0:
         print(f"warning: resuming {path} with changed training keys ({', '.join(changed)}); the new values "
               f"apply from step {state['step'] + 1}", file=sys.stderr, flush=True)

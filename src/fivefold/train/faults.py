@@ -4,6 +4,7 @@ a bug), spotting a straggler rank, and the test-only fault injection of the [deb
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
@@ -16,6 +17,7 @@ from fivefold.config import Config, ConfigError
 from fivefold.parallel.collectives import all_reduce_scalars
 
 STRAGGLER_RATIO = 1.5  # a rank this much slower than the median step time is reported
+ERROR_DIR = "FIVEFOLD_ERROR_DIR"  # set by launch_local: where its ranks say why they stopped
 
 
 class progress:  # noqa: N801 - a namespace: the step this process is running (0: not started)
@@ -25,6 +27,23 @@ class progress:  # noqa: N801 - a namespace: the step this process is running (0
 def restart_count() -> int:
     """How many times torch elastic has restarted this job (0 on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def another_rank_failed() -> bool:
+    """Whether a rank of this attempt has already handed our launcher a failure (not a stop on a
+    signal): the SIGTERM that follows is the launcher ending a failed job, not a preemption."""
+    error_dir = os.environ.get(ERROR_DIR)
+    if not error_dir or not os.path.isdir(error_dir):
+        return False
+    for name in os.listdir(error_dir):
+        if name.startswith(f"attempt{restart_count()}-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(error_dir, name)) as f:
+                    if not json.load(f).get("stopped"):
+                        return True
+            except (OSError, ValueError):
+                return True  # being written: a failure all the same
+    return False
 
 
 def is_timeout(err: BaseException) -> bool:
@@ -52,6 +71,7 @@ class Failure:
     exit_code: int
     echo: bool = False
     traceback: str = ""  # kept for a bug, which one sentence cannot explain
+    stopped: bool = False  # not a failure: the run saved and stopped on a signal (train/preemption.py)
 
 
 def describe(err: BaseException, cfg: Config | None, rank: int) -> Failure:

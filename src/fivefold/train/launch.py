@@ -22,6 +22,7 @@ import time
 import uuid
 
 from fivefold.config import ConfigError, load_config
+from fivefold.train.faults import ERROR_DIR
 
 
 def launched_by_torchrun() -> bool:
@@ -43,22 +44,29 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-ERROR_DIR = "FIVEFOLD_ERROR_DIR"  # set by launch_local: where its ranks say why they stopped
-
 
 def worker(config_path: str | None, overrides: list[str]) -> None:
     """One rank's whole job. Whatever ends it becomes one sentence (faults.describe): handed to
     our launcher, or printed here when there is none (one process, torchrun)."""
-    from fivefold.train import faults
+    from fivefold.train import faults, hangs, preemption
     from fivefold.train.trainer import train
 
     set_cpu_threads()
+    hangs.enable_flight_recorder()  # before the process group: its collectives are recorded from the first
     cfg, rank = None, int(os.environ.get("RANK", 0))
     try:
         cfg = load_config(config_path, overrides)
         train(cfg)
+    except preemption.Stopped as stop:  # saved on a signal: say where, once, and exit for a requeue
+        if os.environ.get(ERROR_DIR):
+            _hand_to_launcher(faults.Failure(stop.sentence, preemption.EXIT_CODE, stopped=True), rank)
+        elif rank == 0:
+            print(stop.sentence, file=sys.stderr, flush=True)
+        raise SystemExit(preemption.EXIT_CODE) from None
     except Exception as err:
         failure = faults.describe(err, cfg, rank)
+        if cfg is not None and faults.is_timeout(err):
+            hangs.write_record(hangs.folder(cfg.log.dir), rank, faults.progress.step, err)
         if os.environ.get(ERROR_DIR):
             _hand_to_launcher(failure, rank)
         elif failure.traceback:
@@ -71,7 +79,8 @@ def worker(config_path: str | None, overrides: list[str]) -> None:
 def _hand_to_launcher(failure, rank: int) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     record = {"rank": rank, "attempt": attempt, "time": time.time(), "sentence": failure.sentence,
-              "exit_code": failure.exit_code, "echo": failure.echo, "traceback": failure.traceback}
+              "exit_code": failure.exit_code, "echo": failure.echo, "traceback": failure.traceback,
+              "stopped": failure.stopped}
     path = os.path.join(os.environ[ERROR_DIR], f"attempt{attempt}-rank{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
@@ -87,6 +96,18 @@ def first_failure(error_dir: str, attempt: int) -> dict | None:
             with open(os.path.join(error_dir, name)) as f:
                 records.append(json.load(f))
     return min(records, key=lambda r: (r["echo"], r["time"])) if records else None
+
+
+def stopped_record(error_dir: str) -> dict | None:
+    """A rank's record of a stop on a signal (train/preemption.py), of any attempt: the lowest rank's."""
+    records = []
+    for name in os.listdir(error_dir):
+        if name.endswith(".json"):
+            with open(os.path.join(error_dir, name)) as f:
+                record = json.load(f)
+            if record.get("stopped"):
+                records.append(record)
+    return min(records, key=lambda r: r["rank"]) if records else None
 
 
 def _keep_traceback(record: dict, log_dir: str) -> str:
@@ -125,8 +146,11 @@ def launch_local(config_path: str | None, overrides: list[str], nproc: int, max_
     `rdzv` (HOST:PORT of node 0, which hosts torch's c10d rendezvous store) and share one run id.
     Each launcher's ranks are consecutive global ranks (elastic numbers them node by node), so
     with tp innermost in parallel.order and tp dividing nproc a tp group never leaves a node."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from fivefold.train import preemption
 
     if nnodes > 1:
         config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_id,
@@ -139,15 +163,30 @@ def launch_local(config_path: str | None, overrides: list[str], nproc: int, max_
     error_dir = tempfile.mkdtemp(prefix="fivefold-errors-")
     os.environ[ERROR_DIR] = error_dir  # the spawned ranks inherit it
     _quiet_elastic_logs()
+    # torch elastic stops its ranks on SIGTERM/SIGINT (with that signal, then SIGKILL after 30 s);
+    # SIGUSR1 (SLURM's --signal) would kill the launcher alone, so it becomes a SIGTERM.
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
         elastic_launch(config, worker)(config_path, overrides)
+    except SignalException as err:  # the launcher was signalled: its ranks have stopped (or saved)
+        stopped = stopped_record(error_dir)
+        print(stopped["sentence"] if stopped else
+              f"stopped by {err.sigval.name} before the ranks reached a step boundary; the last complete "
+              f"checkpoint is where checkpoint.resume=auto continues", file=sys.stderr, flush=True)
+        return preemption.EXIT_CODE
     except ChildFailedError as err:
+        stopped = stopped_record(error_dir)
+        if stopped is not None:  # every rank saved and stopped on a signal, at the same step
+            print(stopped["sentence"], file=sys.stderr, flush=True)
+            return preemption.EXIT_CODE
         attempt = max_restarts  # the job fails only once every restart has been spent
         record = first_failure(error_dir, attempt)
         # A rank that died without a word (os._exit, a signal other than the launcher's SIGTERM) came
         # before the echoes of the ranks that lost it.
+        # (A rank ended by the launcher's SIGTERM dies of it, or exits 128+15: train/preemption.py.)
+        stopped_by_us = (-signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGINT)
         silent = {rank: f.exitcode for rank, f in err.failures.items()
-                  if f.exitcode != -signal.SIGTERM and not os.path.exists(
+                  if f.exitcode not in stopped_by_us and not os.path.exists(
                       os.path.join(error_dir, f"attempt{attempt}-rank{rank}.json"))}
         if silent and (record is None or record["echo"]):
             rank = min(silent)
@@ -158,12 +197,19 @@ def launch_local(config_path: str | None, overrides: list[str], nproc: int, max_
             print(f"error: {_exit_sentence(rank, failure.exitcode)}", file=sys.stderr, flush=True)
             return 1
         sentence = record["sentence"]
+        log_dir = load_config(config_path, overrides).log.dir
         if record["traceback"]:
-            log_dir = load_config(config_path, overrides).log.dir
             sentence += f" (its traceback: {_keep_traceback(record, log_dir)})"
         print(f"error: {sentence}", file=sys.stderr, flush=True)
+        if record["echo"]:  # a timeout or a lost peer: which collective, which group, who never came
+            from fivefold.train import hangs
+
+            diagnosis = hangs.diagnose(hangs.folder(log_dir))
+            if diagnosis:
+                print(diagnosis, file=sys.stderr, flush=True)
         return record["exit_code"]
     finally:
+        signal.signal(signal.SIGUSR1, previous_usr1)
         os.environ.pop(ERROR_DIR, None)
         shutil.rmtree(error_dir, ignore_errors=True)
     return 0

@@ -1,4 +1,4 @@
-"""What a step reports: console progress, `metrics.jsonl`, TensorBoard; the devices' peak for MFU.
+"""What a step reports: console progress, `metrics.jsonl`, TensorBoard, W&B; the devices' peak for MFU.
 
 Only rank 0 writes. Each metrics.jsonl line is one optimizer step (docs/design.md "Run directory").
 MFU itself is the planner's formula (ModelStats.mfu: active parameters, so MoE counts the experts
@@ -40,9 +40,10 @@ def cuda_memory(device: torch.device) -> dict[str, int]:
 
 class MetricsWriter:
     def __init__(self, run_dir: str, enabled: bool, every: int, total_steps: int, tensorboard: bool,
-                 progress: bool = True):
+                 progress: bool = True, wandb_run=None):
         self.enabled, self.every, self.total_steps = enabled, max(1, every), total_steps
         self.progress = progress
+        self._wandb = wandb_run  # log.wandb: the same scalars as TensorBoard, by step
         self._jsonl = None
         self._tb = None
         if not enabled:
@@ -68,6 +69,8 @@ class MetricsWriter:
         if self._tb is not None:
             for tag, value in tensorboard_scalars(record).items():
                 self._tb.add_scalar(tag, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(tensorboard_scalars(record), step=record["step"])
         step = record["step"]
         if self.progress and (step % self.every == 0 or step == self.total_steps or step == 1):
             self.print_line(record)
@@ -93,6 +96,9 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def tensorboard_scalars(record: dict) -> dict[str, float]:

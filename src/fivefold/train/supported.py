@@ -1,6 +1,6 @@
 """Training-only refusals: what the config language has but the trainer does not do yet, or this
 machine cannot run (parallel.backend). `validate()` (fivefold.config) checks a config anywhere;
-these need the family's ModelSpec and torch, so they sit above the models, before any process group.
+these need the family's ModelSpec and torch (or a CUDA device: log.memory_snapshot), so they sit above the models, before any process group.
 """
 
 from __future__ import annotations
@@ -21,3 +21,6 @@ def check_supported(cfg: Config) -> None:
                           f"(deepseek_v3); model.family={m.family} has none, so set model.mtp_depth = 0")
     spec.check(m)
     check_backend(p.backend, torch.cuda.is_available())
+    if cfg.log.memory_snapshot and not torch.cuda.is_available():
+        raise ConfigError("log.memory_snapshot records the CUDA allocator's history, and this machine has no "
+                          "CUDA device; unset log.memory_snapshot (log.profile_steps traces CPU runs too)")

@@ -12,6 +12,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -22,7 +23,7 @@ from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
 from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
-from fivefold.train import checkpoint, faults
+from fivefold.train import checkpoint, faults, hangs, observe, preemption
 from fivefold.train.data import load_training_data
 from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, cuda_memory, peak_flops
 from fivefold.train.mixture import GlobalBatches
@@ -102,7 +103,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     stats = model_stats(cfg.model)  # MFU: the planner's formula, active parameters for MoE
     peak = peak_flops(rt.device, t.dtype, cfg.cluster.peak_tflops)
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
-                           cfg.log.progress)
+                           cfg.log.progress, wandb_run(cfg) if cfg.log.wandb and rt.is_main else None)
     writer.note(par.describe())
     if ignored_note(cfg):
         writer.note(ignored_note(cfg))  # options this layout does nothing with, said once
@@ -118,85 +119,120 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
 
     first_step = sampler.step
     prefetcher = BatchPrefetcher(sampler, par.dp_rank, cfg.parallel.dp, rt.device, t.steps)
-    for step in range(first_step, t.steps):
-        faults.progress.step = step + 1  # named by the error if a collective times out
-        faults.maybe_crash(cfg, step + 1, rt.rank)
-        start = time.perf_counter()
-        batch = prefetcher.get(step)  # read in the background during the previous step
-        faults.maybe_slow(cfg, rt.rank)
-        sampler.step = step + 1
-        lr = optimizer.param_groups[0]["lr"]
-        comm_every = cfg.log.comm_every or cfg.log.every
-        measured = step in (first_step, t.steps - 1) or (comm_every and (step + 1) % comm_every == 0)
-        with par.measure_comm() if measured else contextlib.nullcontext():
-            loss_sum = par.forward_backward(batch, n_micro, lambda: autocast(cfg, rt.device))
-            # The straggler report compares this, not the step time: every rank ends a step together
-            # (the gradient sync waits for the slowest), but data-parallel replicas wait for nobody
-            # before it, so a slow one stands out in its batch, forward and backward.
-            work_time = time.perf_counter() - start
-            par.finish_grads()
-            grad_norm = par.clip_grad_norm(t.grad_clip)
-            if faults.inject_nan(cfg, step + 1):
-                grad_norm = float("nan")
-            # The global norm is the same number on every rank, so all ranks skip together.
-            finite = math.isfinite(grad_norm)
-            if step == t.steps - 1:
-                result.state_bytes = par.state_bytes(optimizer)
-            if finite:
-                par.optimizer_step(optimizer)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+    watchdog = hangs.StackWatchdog(hangs.folder(cfg.log.dir), rt.rank, max(1.0, cfg.parallel.timeout_s / 2))
+    stop_requests = preemption.StopRequests(cfg.checkpoint.stop_grace_s, rt.rank, faults.another_rank_failed)
+    profiler = observe.StepProfiler(cfg, rt.rank, rt.device)
+    with watchdog, stop_requests as stops, observe.MemorySnapshots(cfg, rt.rank):
+        for step in range(first_step, t.steps):
+            faults.progress.step = step + 1  # named by the error if a collective times out
+            watchdog.step_started()
+            profiler.start(step + 1)
+            faults.maybe_crash(cfg, step + 1, rt.rank)
+            start = time.perf_counter()
+            batch = prefetcher.get(step)  # read in the background during the previous step
+            faults.maybe_slow(cfg, rt.rank)
+            sampler.step = step + 1
+            lr = optimizer.param_groups[0]["lr"]
+            comm_every = cfg.log.comm_every or cfg.log.every
+            measured = step in (first_step, t.steps - 1) or (comm_every and (step + 1) % comm_every == 0)
+            with par.measure_comm() if measured else contextlib.nullcontext():
+                loss_sum = par.forward_backward(batch, n_micro, lambda: autocast(cfg, rt.device))
+                # The straggler report compares this, not the step time: every rank ends a step together
+                # (the gradient sync waits for the slowest), but data-parallel replicas wait for nobody
+                # before it, so a slow one stands out in its batch, forward and backward.
+                work_time = time.perf_counter() - start
+                par.finish_grads()
+                grad_norm = par.clip_grad_norm(t.grad_clip)
+                if faults.inject_nan(cfg, step + 1):
+                    grad_norm = float("nan")
+                # The global norm is the same number on every rank, so all ranks skip together.
+                finite = math.isfinite(grad_norm)
+                if step == t.steps - 1:
+                    result.state_bytes = par.state_bytes(optimizer)
+                if finite:
+                    par.optimizer_step(optimizer)
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            profiler.stop(step + 1)
 
-        loss_value = par.mean_over_dp(loss_sum.item())
-        step_time = time.perf_counter() - start
-        world_tokens_per_sec = tokens_per_step / step_time
-        record = {
-            "step": step + 1, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
-            "tokens_per_sec": world_tokens_per_sec,
-            "mfu": stats.mfu(t.seq_len, world_tokens_per_sec / rt.world_size, peak) if peak else None,
-            "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
-            **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
-            # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops; MTP: mtp_loss (not in `loss`)
-            **par.step_metrics,
-        }
-        bubble = par.bubble_fraction(step_time)
-        if bubble is not None:
-            record["bubble_fraction"] = bubble  # measured: idle share of the pipeline ranks
-        if t.eval_every and (step + 1) % t.eval_every == 0 and held_out.num_windows:
-            record["val_loss"] = evaluate(par, held_out, cfg, rt.device)
-        if cfg.log.every and (step + 1) % cfg.log.every == 0:
-            if len(sampler.names) > 1:  # a mixture: tokens each source has given the run so far
-                record["source_tokens"] = sampler.source_tokens(step + 1)
-            slow = faults.straggler(work_time, rt.device)  # a collective: every rank, same steps
-            if slow is not None:
-                record["straggler"] = slow
-                writer.note(f"straggler: rank {slow['rank']} took {slow['work_s']:.3f}s for its batch, forward "
-                            f"and backward of step {step + 1}, the median rank {slow['median_work_s']:.3f}s")
-        if not finite:
-            record["skipped"] = True
-            bad_steps += 1
-            if rt.is_main:
-                print(f"warning: step {step + 1}: non-finite gradient norm (loss {loss_value}); update "
-                      f"skipped ({bad_steps} in a row)", file=sys.stderr, flush=True)
-        else:
-            bad_steps = 0
-            for line in dead_experts.update(record):  # a skipped step has no new router statistics
+            loss_value = par.mean_over_dp(loss_sum.item())
+            step_time = time.perf_counter() - start
+            world_tokens_per_sec = tokens_per_step / step_time
+            record = {
+                "step": step + 1, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+                "tokens_per_sec": world_tokens_per_sec,
+                "mfu": stats.mfu(t.seq_len, world_tokens_per_sec / rt.world_size, peak) if peak else None,
+                "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
+                **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
+                # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops; MTP: mtp_loss (not in `loss`)
+                **par.step_metrics,
+            }
+            bubble = par.bubble_fraction(step_time)
+            if bubble is not None:
+                record["bubble_fraction"] = bubble  # measured: idle share of the pipeline ranks
+            if t.eval_every and (step + 1) % t.eval_every == 0 and held_out.num_windows:
+                record["val_loss"] = evaluate(par, held_out, cfg, rt.device)
+            if cfg.log.every and (step + 1) % cfg.log.every == 0:
+                # every rank's peak (a collective: same steps everywhere), for `fivefold report`
+                record["peak_mem_bytes_per_rank"] = observe.per_rank(float(record["peak_mem_bytes"] or 0), rt.device)
+                if len(sampler.names) > 1:  # a mixture: tokens each source has given the run so far
+                    record["source_tokens"] = sampler.source_tokens(step + 1)
+                slow = faults.straggler(work_time, rt.device)  # a collective: every rank, same steps
+                if slow is not None:
+                    record["straggler"] = slow
+                    writer.note(f"straggler: rank {slow['rank']} took {slow['work_s']:.3f}s for its batch, forward "
+                                f"and backward of step {step + 1}, the median rank {slow['median_work_s']:.3f}s")
+            if not finite:
+                record["skipped"] = True
+                bad_steps += 1
                 if rt.is_main:
-                    print(f"warning: {line}", file=sys.stderr, flush=True)
-        result.records.append(record)
-        writer.log(record)
-        if bad_steps >= t.max_bad_steps:
-            writer.close()
-            prefetcher.close()
-            raise ConfigError(f"training stopped at step {step + 1}: the loss or gradient norm was not "
-                              f"finite for {bad_steps} steps in a row (train.max_bad_steps); lower train.lr, "
-                              "check the data, or resume from an earlier checkpoint")
-        if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0:
-            checkpoint.save(cfg, step + 1, par, optimizer, scheduler, sampler, rt.is_main)
+                    print(f"warning: step {step + 1}: non-finite gradient norm (loss {loss_value}); update "
+                          f"skipped ({bad_steps} in a row)", file=sys.stderr, flush=True)
+            else:
+                bad_steps = 0
+                for line in dead_experts.update(record):  # a skipped step has no new router statistics
+                    if rt.is_main:
+                        print(f"warning: {line}", file=sys.stderr, flush=True)
+            result.records.append(record)
+            writer.log(record)
+            if bad_steps >= t.max_bad_steps:
+                writer.close()
+                prefetcher.close()
+                raise ConfigError(f"training stopped at step {step + 1}: the loss or gradient norm was not "
+                                  f"finite for {bad_steps} steps in a row (train.max_bad_steps); lower train.lr, "
+                                  "check the data, or resume from an earlier checkpoint")
+            saved = bool(cfg.checkpoint.every) and (step + 1) % cfg.checkpoint.every == 0
+            if saved:
+                checkpoint.save(cfg, step + 1, par, optimizer, scheduler, sampler, rt.is_main)
+            stops.inject(cfg.debug, step + 1, rt.rank)
+            signum = stops.agreed(rt.device)  # every rank, every step: the same answer everywhere
+            if signum and step + 1 < t.steps:
+                path = checkpoint_root_or_none(cfg, step + 1)
+                if path is not None and not saved:
+                    checkpoint.save(cfg, step + 1, par, optimizer, scheduler, sampler, rt.is_main)
+                checkpoint.wait_for_save()
+                prefetcher.close()
+                writer.close()
+                raise preemption.Stopped(preemption.stopped_sentence(signum, step + 1, path))
     checkpoint.wait_for_save()  # an asynchronous write finishes before the run returns
     prefetcher.close()
     writer.close()
     return result
+
+
+def wandb_run(cfg: Config):
+    """Rank 0's Weights & Biases run (log.wandb): named after the run folder, with the whole config."""
+    import wandb
+
+    name = Path(cfg.log.dir).name if cfg.log.dir else None
+    return wandb.init(project=cfg.log.wandb_project, name=name, dir=cfg.log.dir or None, mode=cfg.log.wandb_mode,
+                      config=cfg.to_dict(), reinit="finish_previous")
+
+
+def checkpoint_root_or_none(cfg: Config, step: int):
+    """Where the checkpoint of `step` goes, or None when the run has no checkpoint folder."""
+    root = checkpoint.checkpoint_root(cfg)
+    return None if root is None else root / f"{checkpoint.PREFIX}{step:08d}"
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:

@@ -1,0 +1,77 @@
+"""Looking inside a run: torch.profiler traces of chosen steps, CUDA memory snapshots, and each
+rank's peak memory in the step records (what `fivefold report` draws per rank).
+
+Traces: `log.profile_steps` ("3,10-12") records CPU (and CUDA) activity of those steps on every
+rank, one Chrome trace per rank and step: <log.dir>/traces/rank<R>-step<N>.json (Perfetto,
+chrome://tracing). Snapshots: `log.memory_snapshot` (CUDA) records the allocator's history from
+the first step and writes <log.dir>/memory/rank<R>-end.pickle at the end and rank<R>-oom.pickle when
+the run runs out of memory (pytorch.org/memory_viz reads both).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fivefold import torch_internals
+from fivefold.config import Config
+from fivefold.config.validate import parse_steps
+from fivefold.parallel.collectives import all_reduce_scalars
+
+
+class StepProfiler:
+    """start(step) / stop(step) around each step; only the chosen steps are recorded."""
+
+    def __init__(self, cfg: Config, rank: int, device: torch.device):
+        self.steps = parse_steps(cfg.log.profile_steps)
+        self.folder = Path(cfg.log.dir) / "traces"
+        self.rank = rank
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._running = None
+
+    def start(self, step: int) -> None:
+        if step in self.steps:
+            self._running = torch.profiler.profile(activities=self.activities, record_shapes=True)
+            self._running.start()
+
+    def stop(self, step: int) -> None:
+        if self._running is not None:
+            self._running.stop()
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._running.export_chrome_trace(str(self.folder / f"rank{self.rank}-step{step}.json"))
+            self._running = None
+
+
+class MemorySnapshots:
+    """`with MemorySnapshots(cfg, rank):` around the training loop (log.memory_snapshot, CUDA)."""
+
+    def __init__(self, cfg: Config, rank: int):
+        self.on = cfg.log.memory_snapshot
+        self.folder = Path(cfg.log.dir) / "memory"
+        self.rank = rank
+
+    def __enter__(self) -> "MemorySnapshots":
+        if self.on:
+            torch_internals.record_cuda_memory_history(True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.on:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        reason = "oom" if exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError) else "end"
+        torch_internals.dump_cuda_memory_snapshot(str(self.folder / f"rank{self.rank}-{reason}.pickle"))
+        torch_internals.record_cuda_memory_history(False)
+
+
+def per_rank(value: float, device: torch.device) -> list[float]:
+    """Each rank's `value`, in rank order, on every rank (a collective over the world)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    mine = [0.0] * dist.get_world_size()
+    mine[dist.get_rank()] = value
+    return all_reduce_scalars(mine, None, device).tolist()

@@ -1,0 +1,53 @@
+"""What a resume compares between a checkpoint and this run: the model must be the same one (its
+tensors could match by accident), and changed training keys are named (the new values win)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fivefold.config import Config, ConfigError
+
+# [model] keys that change neither a tensor's shape nor the model's math are not compared on
+# resume: `preset` and `init_from` only say where the other keys came from, `max_seq_len` only
+# bounds train.seq_len, and the MoE balancing rates are training hyperparameters (like train.*:
+# the new value wins, with the warning).
+NOT_COMPARED = ("preset", "init_from", "max_seq_len")
+TRAINING_KEYS = ("moe.aux_loss_coeff", "moe.bias_update_rate", "mtp_loss_weight")
+
+
+def _flat(section: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _changed(saved: dict, now: dict, section: str) -> list[str]:
+    """`section.key saved -> now` for each key both know and that differs (a key an older
+    checkpoint did not record is not compared)."""
+    saved, now = _flat(saved), _flat(now)
+    return [f"{section}.{key} {saved[key]!r} -> {now[key]!r}" for key in now
+            if key in saved and saved[key] != now[key]]
+
+
+def check_model(path: Path, state: dict, cfg: Config) -> None:
+    """Refuse a checkpoint of another model, even one whose tensors happen to have the same shapes."""
+    saved = {k: v for k, v in _flat(state.get("model", {})).items()
+             if k not in NOT_COMPARED and k not in TRAINING_KEYS}
+    differing = _changed(saved, cfg.to_dict()["model"], "model")
+    if differing:
+        raise ConfigError(f"checkpoint {path} is of another model ({', '.join(differing)}, saved -> this run); "
+                          f"resume it with its own [model] settings (its config.toml) or start this model "
+                          f"without checkpoint.resume")
+
+
+def changed_training_keys(state: dict, cfg: Config) -> list[str]:
+    """Training keys that differ from the checkpoint's: on resume the new values win."""
+    model = _flat(state.get("model", {}))
+    saved_training = {k: model[k] for k in TRAINING_KEYS if k in model}
+    now = _flat(cfg.to_dict()["model"])
+    return (_changed(state.get("train", {}), cfg.to_dict()["train"], "train")
+            + _changed(saved_training, {k: now[k] for k in TRAINING_KEYS}, "model"))
