@@ -31,7 +31,7 @@ from pathlib import Path
 
 from fivefold.config import ModelConfig
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import NANOTRON_RUNTIME, hardware_for
+from fivefold.plan.hardware import FIVEFOLD_EAGER, NANOTRON_RUNTIME, hardware_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import model_stats
 from fivefold.plan.workload import PRECISIONS, Workload
@@ -136,7 +136,8 @@ def titan_workload(row: dict) -> Workload:
                         max_seq_len=seq, **shape)
     # FSDP2 with bf16 compute and fp32 gradient reduction: fivefold's bf16 recipe.
     return Workload(stats=model_stats(model), seq_len=seq, global_batch=int(row["global_batch"]),
-                    precision=PRECISIONS["bf16"], order=("pp", "dp", "cp", "tp"))
+                    precision=PRECISIONS["bf16"], order=("pp", "dp", "cp", "tp"),
+                    fp8="tensorwise" if row["float8"] == "true" else "")
 
 
 def titan_layout(row: dict) -> Layout:
@@ -154,13 +155,14 @@ def titan_runtime(row: dict, eager=None, compiled=None):
     runtime = (compiled or FIVEFOLD_COMPILED) if row["compile"] == "true" else (eager or FIVEFOLD_EAGER)
     # torchtitan's own behaviour where it differs from fivefold's: FP8 linears, and FSDP blocks
     # kept gathered over a pipeline's micro-batches.
-    speedup = FLOAT8_LINEAR_SPEEDUP if row["float8"] == "true" else 1.0
-    return dataclasses.replace(runtime, float8_linear_speedup=speedup, fsdp_gather_once_in_pipeline=True)
+    # (the speed-up applies to the FP8 rows only: titan_workload marks them)
+    return dataclasses.replace(runtime, float8_linear_speedup=FLOAT8_LINEAR_SPEEDUP, fsdp_gather_once_in_pipeline=True)
 
 
 # FP8 matmuls of nn.Linear after the scaling casts: the FP8 peak is 2x; torchtitan's 8B rows gain
-# 1.28x end to end. Fitted with the fivefold profiles (calibrate_time.py); fivefold itself has no FP8.
-FLOAT8_LINEAR_SPEEDUP = 1.16
+# 1.28x end to end. Fitted with the fivefold profiles (calibrate_time.py, which varies this name);
+# the profiles' own value, which `fivefold plan` applies to train.fp8 runs.
+FLOAT8_LINEAR_SPEEDUP = FIVEFOLD_EAGER.float8_linear_speedup
 
 
 def titan_predict(rows: list[dict], eager=None, compiled=None, hw=None) -> list[dict]:

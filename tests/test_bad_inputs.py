@@ -112,6 +112,11 @@ KEYS = [
     ("memory-snapshot-on-cpu", ["--log.dir", "runs/x", "--log.memory_snapshot", "true"],
      "log.memory_snapshot records the CUDA allocator's history, and this machine has no CUDA device"),
     ("wandb-mode-unknown", ["--log.wandb_mode", "cloud"], "log.wandb_mode='cloud' is not one of online, offline"),
+    # issue 28: FP8 training
+    ("fp8-unknown-recipe", ["--train.dtype", "bf16", "--train.fp8", "blockwise"],
+     'train.fp8=\'blockwise\' is not one of "", tensorwise, rowwise ("" = off)'),
+    ("fp8-without-bf16", ["--train.fp8", "tensorwise"],
+     "train.fp8='tensorwise' needs train.dtype = bf16 (FP8 matmuls inside bf16 compute"),
 ]
 
 
@@ -121,6 +126,14 @@ def test_bad_key_is_one_sentence_before_any_process(given, fragment, tmp_path, c
         (tmp_path / "run.toml").write_text(given)
         given = [str(tmp_path / "run.toml")]
     _assert_one_sentence(*_cli(["train", "--dry-run", *given], capsys), fragment)
+
+
+def test_fp8_without_torchao_is_one_sentence(monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` fails as where it is not installed
+    code, out, err = _cli(["train", "--dry-run", "--train.dtype", "bf16", "--train.fp8", "rowwise"], capsys)
+    _assert_one_sentence(code, out, err, "train.fp8='rowwise' needs torchao: pip install 'fivefold[fp8]'")
 
 
 # Files: (id, a function of the test's folder giving (overrides, fragment)).

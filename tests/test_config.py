@@ -246,7 +246,8 @@ def test_presets_include_llama3_sizes():
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.toml")), ids=lambda p: p.name)
-def test_shipped_configs_validate(path):
+def test_shipped_configs_validate(path, in_config_folder):
+    in_config_folder(path)
     validate(load_config(path))
 
 

@@ -15,7 +15,7 @@ from fivefold.train.supported import check_supported
 
 CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))
 REAL_MODELS = ("llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "deepseek-v3-style",
-               "qwen3-8b", "qwen3-30b-a3b", "deepseek-v3")
+               "qwen3-8b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b")
 
 
 def promised_world(path: Path) -> tuple[str, int]:
@@ -30,7 +30,8 @@ def test_the_expected_configs_exist():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_config_validates_and_world_matches_comment(path, capsys):
+def test_config_validates_and_world_matches_comment(path, capsys, in_config_folder):
+    in_config_folder(path)
     assert main(["config", "show", str(path)]) == 0, capsys.readouterr().err
     cfg = load_config(str(path), [])
     kind, world = promised_world(path)

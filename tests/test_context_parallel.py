@@ -5,8 +5,10 @@ run document masking: each cp method's attention against every document alone, a
 
 import pytest
 
-from layouts import assert_same_run, reference, run_layouts, tiny_config, with_documents, write_short_documents
+from layouts import (TP_WEIGHT_ATOL, assert_same_run, reference, run_layouts, tiny_config, with_documents,
+                     write_short_documents)
 from ranks import run_on_ranks
+from chat_data import prepare_folder
 from test_document_mask import METHODS, assert_document_ops_exact, document_op_errors
 
 from fivefold.config import ConfigError
@@ -38,6 +40,16 @@ BF16 = {"parallel": {"cp": 2, "dp": 2, "zero": 1}, "train": {"dtype": "bf16"}}
 # into updates of order lr. Losses and gradient norms keep 1e-5; weights get 3e-5.
 PP_ZBV = {"parallel": {"pp": 2, "cp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
           "train": {"micro_batch": 2}, "model": {"n_layers": 4}}
+# Packed conversations with a loss mask (issue 29: `fivefold prepare --chat` of tests/chat_data.py's
+# 200 conversations, bins of 64 tokens, a tokenizer of 400 tokens): the loss is the mean over
+# the trained tokens of the global batch, whichever micro-batch, dp rank, pipeline stage or cp rank
+# holds them (under cp a rank may hold no trained token of a sequence). The same four-rank spawn.
+SFT_LAYOUTS = [
+    {"parallel": {"dp": 2, "tp": 2}, "train": {"micro_batch": 2}},
+    {"parallel": {"pp": 2, "dp": 2}, "train": {"micro_batch": 1, **EVAL}},
+    {"parallel": {"cp": 2, "dp": 2}, "train": {"micro_batch": 2, **EVAL}},
+]
+FIRST_SFT = len(FOUR_RANK_LAYOUTS) + 2  # after BF16 and PP_ZBV in the spawn's list
 
 
 # Document masking on a corpus of short documents (most windows cross a boundary), each layout
@@ -86,8 +98,19 @@ def cp2_results(cp2_spawn):
 
 
 @pytest.fixture(scope="module")
-def four_rank_spawn():
-    return run_on_ranks(4, _four_rank, FOUR_RANK_LAYOUTS + [BF16, PP_ZBV])
+def chat_folder(tmp_path_factory):
+    return str(prepare_folder(tmp_path_factory.mktemp("chat"), seq_len=64))
+
+
+def chat_layout(layout: dict, folder: str) -> dict:
+    chat = with_documents(layout, folder, val_fraction=0.1)
+    return {**chat, "model": {"vocab_size": 512}, "train": {"seq_len": 64, **chat.get("train", {})}}
+
+
+@pytest.fixture(scope="module")
+def four_rank_spawn(chat_folder):
+    chat = [chat_layout(layout, chat_folder) for layout in SFT_LAYOUTS]
+    return run_on_ranks(4, _four_rank, FOUR_RANK_LAYOUTS + [BF16, PP_ZBV] + chat)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +185,19 @@ def test_bf16_cp2_dp2_tracks_fp32(four_rank_results):
 def test_pp2_zbv_cp2(four_rank_results):
     want = reference(PP_ZBV)
     for rank, results in enumerate(four_rank_results):
-        assert_same_run(results[-1], want, weight_atol=3e-5, label=f"{PP_ZBV} rank {rank}")
+        assert_same_run(results[FIRST_SFT - 1], want, weight_atol=3e-5, label=f"{PP_ZBV} rank {rank}")
+
+
+@pytest.mark.parametrize("index", range(len(SFT_LAYOUTS)))
+def test_chat_data_with_a_loss_mask(four_rank_results, chat_folder, index):
+    layout = chat_layout(SFT_LAYOUTS[index], chat_folder)
+    want = reference(layout)
+    # The single process accumulated in two micro-batch splits: a mean of micro-batch means would
+    # move the loss by ~1e-2 between them; the global mean over trained tokens moves it by rounding.
+    assert want.loss_noise < 1e-6, want.loss_noise
+    atol = TP_WEIGHT_ATOL if layout["parallel"].get("tp", 1) > 1 else 1e-5
+    for rank, results in enumerate(four_rank_results):
+        assert_same_run(results[FIRST_SFT + index], want, weight_atol=atol, label=f"chat {SFT_LAYOUTS[index]} rank {rank}")
 
 
 CP2_DP2 = FOUR_RANK_LAYOUTS.index({"parallel": {"cp": 2, "dp": 2, "zero": 1}})

@@ -61,3 +61,56 @@ def test_two_launchers_match_the_single_process_run(tmp_path):
     for r, loss, norm in zip(records, want.losses, want.grad_norms):
         assert abs(r["loss"] - loss) <= 1e-5 * abs(loss), (r["step"], r["loss"], loss)
         assert abs(r["grad_norm"] - norm) <= 1e-5 * abs(norm), (r["step"], r["grad_norm"], norm)
+
+
+def _descendants(pid: int) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [pid] + [q for child in children for q in _descendants(int(child))]
+
+
+def test_torchrun_elastic_continues_on_the_node_that_is_left(tmp_path):
+    """torchrun --nnodes 1:2 on two loopback "nodes" of 2 ranks, parallel.dp = 0 (dp4): once step 2's
+    checkpoint exists, node B (its agent and workers) is killed for good. Node A's ranks lose
+    contact, its agent restarts them at the next rendezvous with one node, dp follows the world
+    size (dp2), the run resumes from the newest checkpoint and ends with the single-process run's
+    losses (global batch kept by the micro-batch count)."""
+    import signal
+    import time
+
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic{port}",
+               "--max-restarts", "1", "--rdzv-conf", "join_timeout=120,last_call_timeout=3",
+               "-m", "fivefold", "train", *_cli_overrides(), "--parallel.dp", "0", "--log.dir", str(tmp_path),
+               "--checkpoint.every", "2", "--parallel.timeout_s", "30", "--log.progress", "true",
+               # steps of a second (first attempt only), so the kill lands inside the run
+               "--debug.slow_step_s", "1.0", "--debug.crash_rank", "0"]
+    # A hosts the rendezvous store; B joins it a moment later, and both form one 4-rank world.
+    a = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    time.sleep(1)
+    b = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    latest = tmp_path / "checkpoints" / "latest"
+    try:
+        deadline = time.time() + 240
+        while not (latest.is_file() and latest.read_text().strip() >= "step_00000002"):
+            assert time.time() < deadline and a.poll() is None, "the job ended or stalled before its first checkpoint"
+            time.sleep(0.1)
+        for pid in _descendants(b.pid):  # a node lost: torch elastic starts each worker in its own session
+            os.kill(pid, signal.SIGKILL)
+        out, _ = a.communicate(timeout=300)
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+    assert a.returncode == 0, out[-3000:]
+    assert "layout: dp=4" in out and "layout: dp=2" in out, out[-3000:]  # the world shrank and dp with it
+    assert "resumed from" in out
+    by_step = {}
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step[record["step"]] = record  # steps after the checkpoint ran twice: the resumed run's count
+    want = reference({})
+    assert sorted(by_step) == list(range(1, len(want.losses) + 1))
+    for step, loss in enumerate(want.losses, 1):
+        assert abs(by_step[step]["loss"] - loss) <= 1e-5 * abs(loss), (step, by_step[step]["loss"], loss)

@@ -57,17 +57,29 @@ def _prepare_parser() -> _Parser:
     parser.add_argument("--out", default="", metavar="DIR", help="the prepared folder to write (use it as data.source)")
     parser.add_argument("--workers", type=int, default=0, metavar="N", help="tokenizing processes (default: one per core)")
     parser.add_argument("--text-field", default="text", metavar="FIELD", help="the jsonl/parquet column holding the text")
+    parser.add_argument("--chat", action="store_true",
+                        help="conversations (messages or prompt/completion records) packed into --seq-len "
+                             "bins with a loss mask on the trained turns")
+    parser.add_argument("--seq-len", type=int, default=0, metavar="L", help="--chat: tokens per packed bin (train.seq_len)")
+    parser.add_argument("--chat-template", default="", metavar="FILE",
+                        help="--chat: a Jinja chat template (default: the chat_template of tokenizer_config.json)")
+    parser.add_argument("--train-roles", default="assistant", metavar="ROLES",
+                        help="--chat: comma-separated roles whose turns are trained (default assistant)")
     return parser
 
 
 def _generate_parser() -> _Parser:
     parser = _parser("generate")
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a step_N folder or a checkpoint root")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a step_N folder, a checkpoint root, or a Hugging Face folder")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     parser.add_argument("--tokens", type=int, default=200, metavar="N", help="new tokens to sample (default 200)")
     parser.add_argument("--temperature", type=float, default=0.8, metavar="T", help="softmax temperature; 0 = greedy (default 0.8)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampling (default 0)")
     parser.add_argument("--tokenizer", default="", metavar="TOKENIZER", help="byte or a tokenizer.json (default: the run's data.tokenizer)")
+    parser.add_argument("--chat", action="store_true", help="the prompt is a user message, rendered with the chat template; print the reply")
+    parser.add_argument("--system", default="", metavar="TEXT", help="--chat: a system message before the user's")
+    parser.add_argument("--chat-template", default="", metavar="FILE",
+                        help="--chat: a Jinja chat template (default: the chat_template of tokenizer_config.json)")
     return parser
 
 
@@ -271,13 +283,21 @@ def cmd_prepare(args: list[str]) -> int:
     own, unknown = parser.parse_known_args(args)
     if unknown or not own.out or not own.sources:
         raise ConfigError("usage: fivefold prepare SRC... --tokenizer byte|TOKENIZER.json --out DIR "
-                          "[--workers N] [--text-field text]" + (f" (unknown: {' '.join(unknown)})" if unknown else ""))
+                          "[--workers N] [--text-field text] [--chat --seq-len L [--chat-template FILE] "
+                          "[--train-roles assistant]]" + (f" (unknown: {' '.join(unknown)})" if unknown else ""))
     import time
 
     from fivefold.train.prepare import prepare, summary
 
+    chat = None
+    if own.chat:
+        from fivefold.train.prepare_chat import chat_settings
+
+        chat = chat_settings(own.tokenizer, own.seq_len, own.chat_template, own.train_roles)
+    elif own.seq_len or own.chat_template or own.train_roles != "assistant":
+        raise ConfigError("--seq-len, --chat-template and --train-roles describe chat data; add --chat")
     start = time.perf_counter()
-    manifest = prepare(own.sources, own.tokenizer, own.out, own.workers or None, own.text_field)
+    manifest = prepare(own.sources, own.tokenizer, own.out, own.workers or None, own.text_field, chat=chat)
     print(summary(manifest, own.out, time.perf_counter() - start))
     return 0
 
@@ -287,7 +307,8 @@ def cmd_generate(args: list[str]) -> int:
     a = _generate_parser().parse_args(args)
     from fivefold.tools.generate import generate
 
-    text, _ = generate(a.checkpoint, a.prompt, a.tokens, a.temperature, a.seed, a.tokenizer)
+    text, _ = generate(a.checkpoint, a.prompt, a.tokens, a.temperature, a.seed, a.tokenizer, a.chat, a.system,
+                       a.chat_template)
     print(text)
     return 0
 

@@ -40,13 +40,17 @@ COMMANDS = {
   fivefold layout CONFIG --build [--rank R] [--json]   (build rank R's real shard here; what it holds)"""),
     "plan": ("predict memory, communication and speed of layouts; search for the best",
              '  fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--layout "dp=8,tp=2,..."] [--json]'),
-    "prepare": ("tokenize text/jsonl/parquet/Arrow files into token shards (data.source)",
-                "  fivefold prepare SRC... --tokenizer byte|TOKENIZER.json --out DIR [--workers N] [--text-field text]"),
+    "prepare": ("tokenize text/jsonl/parquet/Arrow files into token shards (data.source)", """\
+  fivefold prepare SRC... --tokenizer byte|TOKENIZER.json --out DIR [--workers N] [--text-field text]
+  fivefold prepare SRC... --tokenizer TOKENIZER.json --out DIR --chat --seq-len L [--chat-template FILE.jinja]
+                   [--train-roles assistant] [--workers N]   (conversations: packed, with a loss mask)"""),
     "convert": ("turn a fivefold checkpoint into a Hugging Face folder, or the reverse",
                 "  fivefold convert SRC DST   (direction from SRC)"),
-    "generate": ("print a sample from a trained checkpoint",
-                 '  fivefold generate CHECKPOINT --prompt "TEXT" [--tokens 200] [--temperature 0.8] [--seed 0]\n'
-                 "                    [--tokenizer byte|TOKENIZER.json]   (temperature 0 = greedy)"),
+    "generate": ("print a sample from a trained checkpoint or an exported Hugging Face folder",
+                 '  fivefold generate CHECKPOINT|HF_FOLDER --prompt "TEXT" [--tokens 200] [--temperature 0.8] [--seed 0]\n'
+                 "                    [--tokenizer byte|TOKENIZER.json]   (temperature 0 = greedy)\n"
+                 '  fivefold generate CHECKPOINT|HF_FOLDER --chat --prompt "A USER MESSAGE" [--system "TEXT"]\n'
+                 "                    [--chat-template FILE.jinja]   (the reply, rendered with the chat template)"),
     "report": ("draw a run's metrics as pictures (loss, speed, memory per rank, bubble, MoE load)",
                "  fivefold report RUN_DIR   (the run's log.dir; writes RUN_DIR/report/*.png)"),
     "viz": ("draw a pipeline schedule",

@@ -33,14 +33,17 @@ class Check:
             if value in self.choices:
                 return None
             shown = f"'{value}'" if isinstance(value, str) else value
-            return f"{key}={shown} is not one of {', '.join(map(str, self.choices))}{note}"
+            return f"{key}={shown} is not one of {self._choices()}{note}"
         if self._inside(value):
             return None
         return f"{key} must be {self._range()}{note}, got {value}"
 
     def accepts(self) -> str:
         """What the key accepts, for `fivefold train --help`: "> 0", "in [0, 1)", "one of a, b"."""
-        return f"one of {', '.join(map(str, self.choices))}" if self.choices else self._range()
+        return f"one of {self._choices()}" if self.choices else self._range()
+
+    def _choices(self) -> str:
+        return ", ".join('""' if c == "" else str(c) for c in self.choices)  # an empty choice shown as ""
 
     def _inside(self, v) -> bool:
         return ((self.gt is None or v > self.gt) and (self.ge is None or v >= self.ge)

@@ -11,5 +11,20 @@ HF_MODEL_TYPES: dict[str, str] = {  # model.family -> config.json's model_type
     "qwen3": "qwen3",  # Qwen3 dense: per-head q/k RMSNorm, explicit head_dim
     "qwen3_moe": "qwen3_moe",  # Qwen3-MoE: fine-grained experts, dense layers by list
     "deepseek_v3": "deepseek_v3",  # DeepSeek-V3: latent attention, YaRN, grouped routing
+    "gpt_oss": "gpt_oss",  # gpt-oss: sliding windows, attention sinks, biases, clamped SwiGLU experts
 }
 FAMILIES = tuple(HF_MODEL_TYPES)
+
+# Model keys only some families implement: away from its default (config/schema.py), a key is
+# refused in any other family (config/validate_attention.py), whose modules have no such part.
+FAMILY_KEYS: dict[str, tuple[str, ...]] = {
+    "rope_yarn_factor": ("deepseek_v3", "gpt_oss"),
+    "rope_yarn_truncate": ("gpt_oss",),
+    "sliding_window": ("gpt_oss",),
+    "full_attention_every": ("gpt_oss",),
+    "attention_sinks": ("gpt_oss",),
+    "attention_bias": ("gpt_oss",),
+    "moe.router_bias": ("gpt_oss",),
+    "moe.projection_bias": ("gpt_oss",),
+    "moe.activation": ("gpt_oss",),
+}

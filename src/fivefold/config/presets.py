@@ -1,7 +1,7 @@
 """Model shapes by name. A preset fills the [model] keys; explicit keys override it.
 
-Shapes are the published ones (Llama 3.x model cards, Mixtral, DeepSeek-V3, the Qwen3 config.json
-files). The DeepSeek-V3-style preset is the mixtral family with DeepSeek-V3's MoE part and GQA
+Shapes are the published ones (Llama 3.x model cards, Mixtral, DeepSeek-V3, the Qwen3 and gpt-oss
+config.json files). The DeepSeek-V3-style preset is the mixtral family with DeepSeek-V3's MoE part and GQA
 attention; `deepseek-v3` is the real shape (family deepseek_v3: latent attention, YaRN, grouped
 routing). A preset implies its `model.family` (models/registry.py).
 """
@@ -20,6 +20,19 @@ _DEEPSEEK_YARN = dict(rope_yarn_factor=40.0, rope_original_max_seq_len=4096, rop
                       rope_yarn_beta_slow=1.0, rope_theta=10000.0, rope_scaling=0.0, max_seq_len=163840)
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=131072)
+
+# gpt-oss (its config.json files; GptOssConfig's defaults): head_dim 64, 8 kv heads, a 128-token
+# window in even layers (odd ones full), sinks, biases, YaRN x32 over 4096 positions (ramp ends not
+# rounded), every layer MoE top-4 with a biased router, expert biases and the clamped SwiGLU.
+_GPT_OSS = dict(family="gpt_oss", dim=2880, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880, vocab_size=201088,
+                tie_embeddings=False, norm_eps=1e-5, max_seq_len=131072, rope_theta=150000.0, rope_scaling=0.0,
+                rope_yarn_factor=32.0, rope_original_max_seq_len=4096, rope_yarn_beta_fast=32.0,
+                rope_yarn_beta_slow=1.0, rope_yarn_truncate=False, sliding_window=128, full_attention_every=2,
+                attention_sinks=True, attention_bias=True)
+# aux_loss_coeff 0.9: their config.json's router_aux_loss_coef (GptOssConfig's default is 0.001).
+_GPT_OSS_MOE = dict(top_k=4, score="softmax", balance="aux_loss", aux_loss_coeff=0.9, norm_topk_prob=True,
+                    router_bias=True, projection_bias=True, activation="clamped_swiglu", swiglu_alpha=1.702,
+                    swiglu_limit=7.0)
 
 PRESETS: dict[str, dict] = {
     # Small enough to learn bytes of real text in a couple of minutes on 2 CPU cores.
@@ -110,4 +123,12 @@ PRESETS: dict[str, dict] = {
                              moe=dict(n_experts=8, top_k=2, n_shared_experts=1, first_dense=1, expert_ffn_dim=32,
                                       score="sigmoid", balance="bias", norm_topk_prob=True, n_group=2,
                                       topk_group=1, routed_scaling_factor=2.5)),
+    # gpt-oss: 21B (3.6B active) and 117B (5.1B active).
+    "gpt-oss-20b": dict(_GPT_OSS, n_layers=24, moe=dict(_GPT_OSS_MOE, n_experts=32)),
+    "gpt-oss-120b": dict(_GPT_OSS, n_layers=36, moe=dict(_GPT_OSS_MOE, n_experts=128)),
+    # Tiny gpt-oss for tests: a 16-token window in layers 0 and 2 (1 and 3 full), sinks, biases,
+    # head_dim 16 != dim/n_heads, 8 experts top-2 with gpt-oss's router and experts.
+    "tiny-gpt-oss": dict(_GPT_OSS, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=32,
+                         vocab_size=256, max_seq_len=1024, sliding_window=16,
+                         moe=dict(_GPT_OSS_MOE, n_experts=8, top_k=2)),
 }

@@ -43,12 +43,20 @@ class MoEConfig:
     n_group: int = checked(1, gt=0)
     topk_group: int = checked(1, gt=0)
     routed_scaling_factor: float = checked(1.0, gt=0)  # multiplies the routed experts' combine weights (after renormalising)
+    # gpt-oss's router and experts (model.family=gpt_oss; config/families.py says who implements what).
+    router_bias: bool = False  # a learned bias on the router's logits
+    projection_bias: bool = False  # a learned bias on every expert's gate, up and down projections
+    # swiglu: silu(gate)·up; clamped_swiglu (gpt-oss): gate clamped above and up on both sides at
+    # swiglu_limit, then gate·sigmoid(swiglu_alpha·gate)·(up + 1)
+    activation: str = checked("swiglu", choices=("swiglu", "clamped_swiglu"))
+    swiglu_alpha: float = checked(1.702, gt=0)  # clamped_swiglu's sigmoid gain (gpt-oss: 1.702)
+    swiglu_limit: float = checked(7.0, gt=0)  # clamped_swiglu's clamp (gpt-oss: 7.0)
 
 
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
-    # The ModelSpec (models/registry.py): llama, mixtral, qwen3, qwen3_moe. Empty = from the preset,
+    # The ModelSpec (models/registry.py): llama, mixtral, qwen3, qwen3_moe, deepseek_v3, gpt_oss. Empty = from the preset,
     # or llama for a dense model and mixtral for an MoE one.
     family: str = ""
     dim: int = checked(128, gt=0)
@@ -67,12 +75,13 @@ class ModelConfig:
     rope_low_freq_factor: float = checked(1.0, gt=0)
     rope_high_freq_factor: float = checked(4.0, gt=0)
     rope_original_max_seq_len: int = checked(8192, gt=0)  # also YaRN's original context
-    # YaRN RoPE scaling (deepseek_v3), as Hugging Face's config writes it; rope_yarn_factor = 0 turns it off.
+    # YaRN RoPE scaling (deepseek_v3, gpt_oss), as Hugging Face's config writes it; rope_yarn_factor = 0 turns it off.
     rope_yarn_factor: float = checked(0.0, ge=0, note="0 = off")
     rope_yarn_beta_fast: float = checked(32.0, gt=0)
     rope_yarn_beta_slow: float = checked(1.0, gt=0)
     rope_yarn_mscale: float = checked(0.0, ge=0, note="0 = unset")  # 0 = unset (Hugging Face's null)
     rope_yarn_mscale_all_dim: float = checked(0.0, ge=0, note="0 = unset")  # 0 = unset; set, it also scales the softmax by its mscale squared
+    rope_yarn_truncate: bool = True  # YaRN: round the ramp's ends to whole channel pairs (DeepSeek); gpt-oss: false
     # Multi-head latent attention (deepseek_v3; kv_lora_rank = 0 elsewhere): keys and values expanded
     # per head from a kv_lora_rank latent, plus one qk_rope_head_dim RoPE key shared by all heads;
     # queries through a q_lora_rank latent (0 = one direct projection, as in DeepSeek-V2-Lite).
@@ -82,6 +91,11 @@ class ModelConfig:
     qk_nope_head_dim: int = checked(0, ge=0)
     qk_rope_head_dim: int = checked(0, ge=0)
     v_head_dim: int = checked(0, ge=0)
+    # Attention variants (model.family=gpt_oss; config/families.py says who implements what).
+    sliding_window: int = checked(0, ge=0, note="0 = off")  # keys a query of a sliding layer sees, itself included; 0 = full causal attention everywhere
+    full_attention_every: int = checked(0, ge=0, note="0 = none")  # with sliding_window: layers N-1, 2N-1, ... see every earlier key (gpt-oss: 2); 0 = every layer slides
+    attention_sinks: bool = False  # one learned logit per head joins each query's softmax denominator (a key whose value is 0)
+    attention_bias: bool = False  # learned biases on the q, k, v and output projections
     moe: MoEConfig = field(default_factory=MoEConfig)
     # Multi-token prediction (deepseek_v3, models/mtp.py): mtp_depth extra blocks after the last
     # layer, block k predicting the token k+1 places ahead; their mean loss, times mtp_loss_weight,
@@ -154,6 +168,7 @@ class TrainConfig:
     beta2: float = checked(0.95, ge=0, lt=1)
     grad_clip: float = checked(1.0, ge=0, note="0 = off")  # 0 = off
     dtype: str = checked("fp32", choices=("fp32", "bf16"))  # fp32 | bf16 (bf16 compute, fp32 master weights and reductions)
+    fp8: str = checked("", choices=("", "tensorwise", "rowwise"), note='"" = off')  # "" (off) | tensorwise | rowwise: dense projections in FP8 via torchao (needs dtype bf16)
     recompute: str = checked("none", choices=("none", "selective", "full"))  # none | selective | full
     compile: bool = False
     eval_every: int = checked(0, ge=0, note="0 = off")  # 0 = no evaluation
@@ -184,8 +199,11 @@ class CheckpointConfig:
     # the rank exits anyway; keep it under the scheduler's kill delay (SLURM KillWait, 30 s by default).
     stop_grace_s: float = checked(25.0, gt=0)
     # On load: "sizes" checks every file's size and the small files' CRC-32 (free); "full" also reads
-    # every data file's CRC-32 (a flipped bit), 57% of a warm load of 1 GB (benchmarks/checkpoint_verify.py)
+    # every data file's CRC-32 (a flipped bit), 41-57% of a warm load of 1 GB (benchmarks/checkpoint_verify.py)
     verify: str = checked("sizes", choices=("sizes", "full"))
+    # A folder: at the end of the run the final step is saved and written there as a Hugging Face
+    # folder (config.json, safetensors, the run's tokenizer files with its chat template); empty = none.
+    export_hf: str = ""
 
 
 @dataclass

@@ -10,8 +10,6 @@ bad combination).
 from __future__ import annotations
 
 import dataclasses
-import tempfile
-from pathlib import Path
 
 from fivefold.config.checks import check_fields
 from fivefold.config.errors import ConfigError
@@ -19,6 +17,8 @@ from fivefold.config.families import FAMILIES
 from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, parse_layer_counts
 from fivefold.config.schema import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ParallelConfig, micro_batches  # noqa: F401
 from fivefold.config.validate_data import check_data
+from fivefold.config.validate_attention import check_family_keys
+from fivefold.config.validate_run import check_checkpoint, check_log, check_run_folders, parse_steps  # noqa: F401 - parse_steps: its old home
 
 DIMS = ("pp", "dp", "cp", "tp")
 
@@ -50,6 +50,7 @@ def _divides(key: str, degree: int, what: str, amount: int) -> None:
 def _check_model(cfg: Config) -> None:
     m = cfg.model
     _one_of("model.family", m.family, FAMILIES)
+    check_family_keys(cfg)  # keys only some families implement; windows and sinks under cp
     _check_latent_attention(m)  # first: its head_dim sentence is more precise than the generic one
     if m.head_dim == m.dim // m.n_heads:  # head_dim left to default: the heads must split dim exactly
         _divides("model.n_heads", m.n_heads, "model.dim", m.dim)
@@ -82,12 +83,12 @@ def _check_group_routing(e) -> None:
 
 
 def _check_latent_attention(m) -> None:
-    """Multi-head latent attention and YaRN exist in the deepseek_v3 family only, and it needs both
-    latent-attention head dims and a kv latent."""
+    """Multi-head latent attention exists in the deepseek_v3 family only, and it needs both
+    latent-attention head dims and a kv latent (YaRN's families: config/families.py)."""
     mla = {"kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
            "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim}
-    if m.family != "deepseek_v3":
-        for key, value in {**mla, "rope_yarn_factor": m.rope_yarn_factor}.items():
+    if m.family != "deepseek_v3":  # YaRN: config/validate_attention.py
+        for key, value in mla.items():
             _require(not value, f"model.{key}={value} is a latent-attention / YaRN key, which only "
                      f"model.family=deepseek_v3 implements (model.family={m.family}); remove it")
         return
@@ -117,6 +118,10 @@ def _check_train(cfg: Config) -> None:
     t, m = cfg.train, cfg.model
     _require(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len="
              f"{m.max_seq_len}; lower train.seq_len or raise model.max_seq_len")
+    if t.fp8:
+        _require(t.dtype == "bf16", f"train.fp8='{t.fp8}' needs train.dtype = bf16 (FP8 matmuls inside bf16 "
+                 f"compute over fp32 master weights, as torchtitan trains), got train.dtype = {t.dtype}; "
+                 "set train.dtype = bf16")
 
 
 def _check_parallel(cfg: Config, world_size: int | None) -> None:
@@ -270,72 +275,6 @@ def _check_pipeline(cfg: Config) -> None:
                  f"multiple of pp; {fix}")
 
 
-def _check_checkpoint(cfg: Config) -> None:
-    c = cfg.checkpoint
-    _require(c.resume in ("none", "auto") or Path(c.resume).exists(),
-             f"checkpoint.resume='{c.resume}' must be none, auto, or an existing checkpoint folder")
-    _require(c.every == 0 or c.dir or cfg.log.dir, "checkpoint.every > 0 needs checkpoint.dir or log.dir "
-             "to say where checkpoints go")
-
-
-def parse_steps(text: str) -> set[int]:
-    """log.profile_steps: "3", "3,10-12" -> {3, 10, 11, 12}; ValueError when it is not that."""
-    steps: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        first, _, last = part.partition("-")
-        a, b = int(first), int(last or first)
-        if a < 1 or b < a:
-            raise ValueError(part)
-        steps.update(range(a, b + 1))
-    return steps
-
-
-def _check_log(cfg: Config, world_size: int | None) -> None:
-    g = cfg.log
-    try:
-        steps = parse_steps(g.profile_steps)
-    except ValueError:
-        raise ConfigError(f"log.profile_steps='{g.profile_steps}' must be step numbers and ranges from 1, "
-                          "e.g. '3' or '3,10-12'") from None
-    if steps:
-        _require(max(steps) <= cfg.train.steps, f"log.profile_steps='{g.profile_steps}' names step {max(steps)}, "
-                 f"after the run's last (train.steps={cfg.train.steps}); profile earlier steps")
-    for key, on in (("log.profile_steps", bool(steps)), ("log.memory_snapshot", g.memory_snapshot)):
-        _require(not on or bool(g.dir), f"{key} writes its files under log.dir, which is not set; set log.dir")
-    if g.wandb and world_size is not None:  # a launch: the package must be there before any rank starts
-        import importlib.util
-
-        _require(importlib.util.find_spec("wandb") is not None, "log.wandb=true needs the wandb package: "
-                 "pip install 'fivefold[wandb]', or set log.wandb=false")
-
-
-def _check_run_folders(cfg: Config) -> None:
-    c = cfg.checkpoint
-    _check_writable_dir("log.dir", cfg.log.dir)
-    if c.dir:
-        _check_writable_dir("checkpoint.dir", c.dir)
-    elif cfg.log.dir and c.every:
-        _check_writable_dir("checkpoint.dir (empty: <log.dir>/checkpoints)", str(Path(cfg.log.dir) / "checkpoints"))
-
-
-def _check_writable_dir(key: str, text: str) -> None:
-    """A run folder fivefold writes into: a folder, or creatable inside a writable one. Writing is
-    tried (a temporary file, removed at once): permissions alone do not tell, e.g. for root or a
-    read-only mount."""
-    if not text:
-        return
-    path = Path(text)
-    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    fix = f"give {key.split(' ')[0]} a folder fivefold may create and write"
-    _require(existing.is_dir(), f"{key}='{text}' is a file, not a folder; {fix}" if existing == path else
-             f"{key}='{text}' cannot be created: '{existing}' is a file; {fix}")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as err:
-        raise ConfigError(f"{key}='{text}' is not writable ('{existing}': {err.strerror}); {fix}") from None
-
-
 def ignored_options(p) -> dict[str, str]:
     """Parallel keys set away from their default that do nothing for this layout: key -> why.
     `p` is a ParallelConfig or a planner Layout (the same key names and defaults)."""
@@ -381,10 +320,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _check_train(cfg)
     _check_parallel(cfg, world_size)
     check_data(cfg)
-    _check_checkpoint(cfg)
-    _check_log(cfg, world_size)
+    check_checkpoint(cfg)
+    check_log(cfg, world_size)
     if world_size is not None:  # a launch writes there (`config show` and `plan` write nothing)
-        _check_run_folders(cfg)
+        check_run_folders(cfg)
     return cfg
 
 

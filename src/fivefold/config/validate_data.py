@@ -71,6 +71,19 @@ def check_documents(what: str, n_documents: int) -> None:
                           "of files or a prepared folder, or set data.document_mask = false")
 
 
+def _check_chat_folder(cfg: Config, folder: str, manifest: dict) -> None:
+    """A folder of packed conversations with a loss mask (`fivefold prepare --chat`): its bins are
+    the training windows, and conversations sharing a bin must not see each other."""
+    packed = manifest["packed_seq_len"]
+    _require(cfg.train.seq_len == packed, f"'{folder}' holds conversations packed into sequences of {packed} "
+             f"tokens (fivefold prepare --chat --seq-len {packed}) but train.seq_len={cfg.train.seq_len}; set "
+             f"train.seq_len = {packed}, or prepare again with --seq-len {cfg.train.seq_len}")
+    _require(cfg.data.document_mask, f"'{folder}' holds packed conversations with a loss mask; set "
+             "data.document_mask = true so that conversations packed into one sequence do not attend to each other")
+    _require(cfg.model.mtp_depth == 0, f"model.mtp_depth={cfg.model.mtp_depth}: multi-token prediction does not "
+             f"take the loss mask of '{folder}' yet; set model.mtp_depth = 0 to fine-tune on chat data")
+
+
 def _tokenizer_size(path: str) -> int:
     """The vocabulary of a tokenizer.json; one sentence when the file is not one."""
     from tokenizers import Tokenizer
@@ -98,6 +111,8 @@ def _check_prepared_data(cfg: Config) -> None:
         _require(Path(folder).is_dir(), f"{key} folder '{folder}' does not exist; make it with "
                  f"`fivefold prepare SRC --out {folder}`")
         manifest = read_manifest(folder)
+        if manifest.get("loss_mask"):
+            _check_chat_folder(cfg, folder, manifest)
         if d.document_mask:
             check_documents(f"{key} folder '{folder}'", manifest["documents"])
         tokenizer = manifest["tokenizer"]

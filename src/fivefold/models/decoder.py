@@ -1,6 +1,7 @@
-"""The decoder every family is made of (Llama 3, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3), as a plain
-single-device module; a family picks its variant (models/<family>/spec.py): per-head q/k RMSNorm
-(Qwen3), an MoE feed-forward in some layers (models/moe.py), tied or untied embeddings, or its own
+"""The decoder every family is made of (Llama 3, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss), as a
+plain single-device module; a family picks its variant (models/<family>/spec.py): per-head q/k RMSNorm
+(Qwen3), attention biases, sinks and per-layer sliding windows from the config (gpt-oss), an MoE
+feed-forward in some layers (models/moe.py), tied or untied embeddings, or its own
 attention module and RoPE tables (DeepSeek-V3's latent attention: a subclass of `Transformer`
 passing `attention` and overriding `rope_frequencies` / `rope_tables`).
 
@@ -23,8 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelConfig
+from fivefold.models.attention_layout import attention_window
 from fivefold.models.documents import document_attention
 from fivefold.models.init import Fill, constant, seeded_normal
+from fivefold.models.masked_attention import masked_attention
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -58,30 +61,57 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class CausalAttention(nn.Module):
     """Causal softmax attention over (batch, heads, seq, head_dim); K/V may have fewer heads (GQA).
-    With `documents` (batch, seq), each token's document id, no query sees another document."""
+    With `documents` (batch, seq), each token's document id, no query sees another document. With
+    a `window` a query sees at most that many keys, itself included; `sinks` (heads,) are logits
+    that join each head's softmax denominator (models/masked_attention.py)."""
+
+    def __init__(self, window: int = 0):
+        super().__init__()
+        self.window = window  # 0: every earlier key
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.window or sinks is not None:
+            return masked_attention(q, k, v, self.window, documents, sinks)
         if documents is not None:
             return document_attention(q, k, v, documents)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
+    def extra_repr(self) -> str:
+        return f"window={self.window}" if self.window else ""
+
+
+class HeadValues(nn.Module):
+    """One learned value per attention head, (heads,): the sinks' logits. A module of its own so
+    that tensor parallelism splits it by heads as it splits q (models/spec.py `TP.HEAD_VALUES`)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
 
 class Attention(nn.Module):
     """Grouped-query attention with RoPE. With `qk_norm` (Qwen3) each head's query and key are
-    RMS-normalised over head_dim (one weight shared by all heads) before RoPE."""
+    RMS-normalised over head_dim (one weight shared by all heads) before RoPE. gpt-oss's variants
+    come from the config: `attention_bias` (q, k, v and output biases), `attention_sinks` (one sink
+    logit per head) and the layer's sliding `window`."""
 
-    def __init__(self, cfg: ModelConfig, qk_norm: bool = False):
+    def __init__(self, cfg: ModelConfig, qk_norm: bool = False, window: int = 0):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        bias = cfg.attention_bias
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
-        self.core = CausalAttention()
+        self.sinks = HeadValues(cfg.n_heads) if cfg.attention_sinks else None
+        self.core = CausalAttention(window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,7 +122,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        out = self.core(q, k, v, documents)
+        # Only a core that knows sinks is given them (config/validate_attention.py refuses the others).
+        out = self.core(q, k, v, documents) if self.sinks is None else self.core(q, k, v, documents, self.sinks())
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -160,7 +191,8 @@ class Transformer(nn.Module):
 
         self.layers = nn.ModuleDict({
             str(i): TransformerBlock(cfg, moe_feed_forward(cfg, i), qk_norm,
-                                     attention(cfg) if attention is not None else None)
+                                     attention(cfg) if attention is not None
+                                     else Attention(cfg, qk_norm, attention_window(cfg, i)))
             for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -218,6 +250,10 @@ class Transformer(nn.Module):
 # The tied pair of `tie_embeddings`: the output layer's weight is the embedding matrix (copy -> source).
 TIED = {"output.weight": "tok_embeddings.weight"}
 
+# Tensors that start at zero: bias balancing's state, every bias (gpt-oss's projections, router and
+# experts) and the attention sinks' logits.
+ZERO_AT_START = ("expert_bias", ".bias", "sinks.weight", "experts.b1", "experts.b2", "experts.b3")
+
 
 def initial_values(cfg: ModelConfig, seed: int) -> Fill:
     """fill(name, whole shape, offsets, sizes): any box of any initial parameter or persistent buffer
@@ -229,7 +265,7 @@ def initial_values(cfg: ModelConfig, seed: int) -> Fill:
             name = TIED[name]  # a pipeline's last stage holds its own copy
         if "norm" in name:
             return constant(1.0, sizes)
-        if name.endswith("expert_bias"):  # bias balancing's state starts at zero
+        if name.endswith(ZERO_AT_START):
             return constant(0.0, sizes)
         std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
         return seeded_normal(seed, name, shape, std, offsets, sizes)

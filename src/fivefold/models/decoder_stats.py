@@ -1,16 +1,19 @@
 """Parameter counts and FLOPs of models/decoder.py's decoder, from the same ModelConfig training
 uses: the planner's statistics of every family built on it (their stats.py call `decoder_stats`).
 
-The block counted: RMSNorm, grouped-query attention without biases (q, k, v and output
-projections; with qk_norm an RMSNorm of head_dim on q and on k), SwiGLU MLP, and for MoE layers a
-linear router, routed experts (each a SwiGLU MLP of expert_ffn_dim) and optional shared experts.
-Pure arithmetic: no torch (the planner must run anywhere in milliseconds).
+The block counted: RMSNorm, grouped-query attention (q, k, v and output projections; with qk_norm
+an RMSNorm of head_dim on q and on k; with attention_bias their biases, with attention_sinks one
+logit per head), SwiGLU MLP, and for MoE layers a linear router (with router_bias its bias), routed
+experts (each a SwiGLU MLP of expert_ffn_dim, with projection_bias its three biases) and optional
+shared experts. Layers with a sliding window (models/attention_layout.py) attend to at most that
+many keys. Pure arithmetic: no torch (the planner must run anywhere in milliseconds).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fivefold.models.attention_layout import attention_window
 from fivefold.models.moe_layout import is_moe_layer
 
 
@@ -49,6 +52,14 @@ class ModelStats:
     # layer (MoE where is_moe_layer says so) plus eh_proj (2d x d) and three norms, sharing the
     # embedding and output matrices. They run after the last layer, and on the last pipeline stage.
     mtp_depth: int = 0
+    # Per layer: attention parameters whole on every tp rank besides MLA's latents (the output
+    # projection's bias, added after the tp sum).
+    replicated_attention_params: int = 0
+    expert_ffn_dim: int = 0  # the routed experts' hidden width (0 = expert_params / (3 dim): no biases)
+    # Sliding windows (gpt-oss): the layers that attend to at most `sliding_window` keys.
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # sinks join the softmax: fivefold computes that attention unfused
 
     # ----- derived counts
     @property
@@ -74,9 +85,15 @@ class ModelStats:
         """Per layer: the attention parameters replicated over tp (MLA's latent down-projections
         and norms); the rest of attention_params is split by heads."""
         if not self.kv_lora_rank:
-            return 0
+            return self.replicated_attention_params
         q = self.q_lora_rank
-        return self.dim * (q + self.kv_lora_rank + self.rope_dim) + q + self.kv_lora_rank
+        return (self.dim * (q + self.kv_lora_rank + self.rope_dim) + q + self.kv_lora_rank
+                + self.replicated_attention_params)
+
+    @property
+    def expert_hidden(self) -> float:
+        """The routed experts' hidden width."""
+        return self.expert_ffn_dim or self.expert_params / (3 * self.dim)
 
     @property
     def q_dim(self) -> int:
@@ -137,6 +154,13 @@ class ModelStats:
             return 6.0 * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
         return 12.0 * self.n_heads * self.head_dim * seq_len
 
+    def layer_attention_flops_per_token(self, layer: int, seq_len: int) -> float:
+        """attention_flops_per_token of one layer: a sliding-window layer's queries see at most
+        `sliding_window` keys."""
+        if layer in self.sliding_layers:
+            seq_len = min(seq_len, self.sliding_window)
+        return self.attention_flops_per_token(seq_len)
+
     def moe_flops_per_token(self, layer: int) -> float:
         """The MoE part of a layer (router, shared experts, the top-k routed experts); 0 if dense."""
         if not self.is_moe(layer):
@@ -146,7 +170,7 @@ class ModelStats:
     def layer_flops_per_token(self, layer: int, seq_len: int) -> float:
         """A multi-token-prediction block also runs the (shared) output layer once more."""
         head = self.output_flops_per_token if layer >= self.n_layers else 0.0
-        return 6.0 * self.layer_params(layer, active_only=True) + self.attention_flops_per_token(seq_len) + head
+        return 6.0 * self.layer_params(layer, active_only=True) + self.layer_attention_flops_per_token(layer, seq_len) + head
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per token for forward + backward: 6 N_active + 12 L q s (no recomputation;
@@ -154,9 +178,8 @@ class ModelStats:
         multi-token-prediction block counts as a layer, plus its use of the output layer.
 
         N includes the embedding, as the Playbook's and most MFU figures do."""
-        blocks = self.n_layers + self.mtp_depth
-        return (6.0 * self.active_params + blocks * self.attention_flops_per_token(seq_len)
-                + self.mtp_depth * self.output_flops_per_token)
+        attention = sum(self.layer_attention_flops_per_token(i, seq_len) for i in range(self.n_layers + self.mtp_depth))
+        return 6.0 * self.active_params + attention + self.mtp_depth * self.output_flops_per_token
 
     def mfu(self, seq_len: int, tokens_per_sec_per_device: float, peak_flops: float) -> float:
         """Model FLOPs utilisation: the share of a device's peak that this throughput's model FLOPs
@@ -183,19 +206,25 @@ def decoder_stats(model, qk_norm: bool = False) -> ModelStats:
     if n_experts > 0:
         expert_ffn = moe.expert_ffn_dim or model.ffn_dim
         moe_layers = tuple(i for i in range(model.n_layers + model.mtp_depth) if is_moe_layer(model, i))
-        expert_params = 3 * h * expert_ffn
-        shared = moe.n_shared_experts * expert_params
-        router = h * n_experts
+        shared = moe.n_shared_experts * 3 * h * expert_ffn  # no biases
+        expert_params = 3 * h * expert_ffn + ((2 * expert_ffn + h) if moe.projection_bias else 0)
+        router = h * n_experts + (n_experts if moe.router_bias else 0)
         top_k = moe.top_k
     else:
-        moe_layers, expert_params, shared, router, top_k = (), 0, 0, 0, 0
+        moe_layers, expert_params, shared, router, top_k, expert_ffn = (), 0, 0, 0, 0, 0
+    biases = (q + 2 * kv) if model.attention_bias else 0  # split over tp with their heads
+    sinks = model.n_heads if model.attention_sinks else 0
     return ModelStats(
         dim=h, n_layers=model.n_layers, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
         head_dim=head_dim, ffn_dim=model.ffn_dim, vocab_size=model.vocab_size,
         tie_embeddings=model.tie_embeddings,
-        attention_params=2 * h * q + 2 * h * kv + (2 * head_dim if qk_norm else 0), norm_params=2 * h,
+        attention_params=(2 * h * q + 2 * h * kv + (2 * head_dim if qk_norm else 0) + biases + sinks
+                          + (h if model.attention_bias else 0)), norm_params=2 * h,
         dense_mlp_params=3 * h * model.ffn_dim,
         n_experts=n_experts, top_k=top_k, expert_params=expert_params,
         shared_expert_params=shared, router_params=router, moe_layers=moe_layers, qk_norm=qk_norm,
-        mtp_depth=model.mtp_depth,
+        mtp_depth=model.mtp_depth, replicated_attention_params=h if model.attention_bias else 0,
+        expert_ffn_dim=expert_ffn, sliding_window=model.sliding_window,
+        sliding_layers=tuple(i for i in range(model.n_layers) if attention_window(model, i)),
+        attention_sinks=model.attention_sinks,
     )

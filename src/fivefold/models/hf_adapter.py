@@ -4,8 +4,10 @@ and how its config.json reads and writes.
 Names are translated by tables of templates, so a family is rows, not code: `names` maps one
 Hugging Face tensor to one of ours (`{layer}` stands for a layer index); `experts` maps the
 per-expert tensors of a Hugging Face MoE layer (`{expert}` for the expert index) to one stacked
-(experts, out, in) tensor of ours. The file reader and writer (models/hf_stream.py) and `fivefold
-convert` use only these methods.
+(experts, out, in) tensor of ours; `parts` maps a Hugging Face tensor to several of ours, each a
+strided `Part` of it, possibly transposed (gpt-oss stores its experts stacked (experts, in, out),
+gate and up interleaved in one tensor). The file reader and writer (models/hf_stream.py) and
+`fivefold convert` use only these methods.
 """
 
 from __future__ import annotations
@@ -24,6 +26,45 @@ NOTHING = re.compile(r"(?!)")
 
 # Tensors some checkpoints carry that are derived, not learned (older transformers saved these).
 IGNORED_HF = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One of our tensors as a part of a Hugging Face tensor: the elements start, start + step, ...
+    along the Hugging Face tensor's dimension `dim`, its last two dimensions swapped when
+    `transposed`. The parts of one Hugging Face tensor fill it exactly."""
+    dim: int = -1
+    start: int = 0
+    step: int = 1
+    transposed: bool = False
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        """The whole Hugging Face tensor's shape, from the whole shape of ours."""
+        out = list(shape)
+        if self.transposed:
+            out[-2], out[-1] = out[-1], out[-2]
+        out[self.dim] *= self.step
+        return tuple(out)
+
+    def read(self, hf_slice, offsets, sizes):
+        """Our box (offsets, sizes) from a safetensors slice of the Hugging Face tensor (contiguous
+        ranges are read, the stride taken after)."""
+        box = [slice(o, o + s) for o, s in zip(offsets, sizes)]
+        if self.transposed:
+            box[-2], box[-1] = box[-1], box[-2]
+        d = self.dim % len(box)
+        first, count = box[d].start, box[d].stop - box[d].start
+        box[d] = slice(self.start + self.step * first, self.start + self.step * (first + count - 1) + 1)
+        strided = [slice(None)] * len(box)
+        strided[d] = slice(None, None, self.step)
+        view = hf_slice[tuple(box)][tuple(strided)]
+        return view.transpose(-2, -1) if self.transposed else view
+
+    def write(self, hf_tensor, ours) -> None:
+        """Place the whole tensor of ours into the whole Hugging Face tensor."""
+        strided = [slice(None)] * hf_tensor.dim()
+        strided[self.dim] = slice(self.start, None, self.step)
+        hf_tensor[tuple(strided)].copy_(ours.transpose(-2, -1) if self.transposed else ours)
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -48,6 +89,7 @@ class HFAdapter:
     # (ModelConfig, torch dtype of the weights) -> config.json; raises ConfigError for what HF cannot express
     write_config: Callable
     experts: list[tuple[str, str]] = field(default_factory=list)  # (per-expert HF template, our stacked name)
+    parts: list[tuple[str, str, Part]] = field(default_factory=list)  # (HF template, our template, which part)
     ours_only: re.Pattern = OURS_ONLY  # our tensors that are neither read nor written (zeros when read)
     # (HF tensor name, our config) -> whether a file's tensor is one transformers' class drops on
     # load too (DeepSeek-V3's multi-token-prediction layers past the last layer), never an error.
@@ -63,12 +105,34 @@ class HFAdapter:
         object.__setattr__(self, "_to_ours", [(_pattern(hf), ours) for hf, ours in self.names])
         object.__setattr__(self, "_to_hf", [(_pattern(ours), hf) for hf, ours in self.names])
         object.__setattr__(self, "_stacked_to_hf", [(_pattern(ours), hf) for hf, ours in self.experts])
+        object.__setattr__(self, "_part_to_hf", [(_pattern(ours), hf, part) for hf, ours, part in self.parts])
+        object.__setattr__(self, "_hf_to_parts", [(_pattern(hf), ours, part) for hf, ours, part in self.parts])
 
     def is_stacked(self, our_name: str) -> bool:
         """Whether our tensor stacks one Hugging Face tensor per expert along dim 0."""
         return any(pattern.match(our_name) for pattern, _ in self._stacked_to_hf)
 
+    def part_of(self, our_name: str) -> tuple[str, Part] | None:
+        """(the Hugging Face tensor, which part of it) when our tensor is a part of one, else None."""
+        for pattern, hf, part in self._part_to_hf:
+            match = pattern.match(our_name)
+            if match:
+                return hf.format(**match.groupdict()), part
+        return None
+
+    def parts_of(self, hf_name: str) -> list[tuple[str, Part]]:
+        """Our tensors that make up a Hugging Face tensor, with their parts ([] when it is not split)."""
+        out = []
+        for pattern, ours, part in self._hf_to_parts:
+            match = pattern.match(hf_name)
+            if match:
+                out.append((ours.format(**match.groupdict()), part))
+        return out
+
     def hf_name(self, our_name: str) -> str:
+        part = self.part_of(our_name)
+        if part is not None:
+            return part[0]
         hf = _translate(our_name, self._to_hf)
         if hf is None:
             raise KeyError(f"no Hugging Face name for parameter {our_name} in the {self.model_type} adapter; "
@@ -77,10 +141,12 @@ class HFAdapter:
 
     def maybe_hf_name(self, our_name: str) -> str | None:
         """`hf_name`, or None for a tensor of ours with no Hugging Face name (a tied copy may have none)."""
-        return _translate(our_name, self._to_hf)
+        part = self.part_of(our_name)
+        return part[0] if part is not None else _translate(our_name, self._to_hf)
 
     def our_name(self, hf_name: str) -> str | None:
-        """Our parameter name for a Hugging Face tensor name, or None when the table has no row."""
+        """Our parameter name for a Hugging Face tensor name, or None when the table has no row (a
+        tensor split into parts has several: `parts_of`)."""
         return _translate(hf_name, self._to_ours)
 
     def hf_sources(self, our_name: str, n_experts: int) -> list[str]:

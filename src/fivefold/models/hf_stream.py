@@ -34,6 +34,7 @@ from fivefold.models.hf_adapter import IGNORED_HF
 from fivefold.models.registry import model_spec
 
 INDEX = "model.safetensors.index.json"
+PARTS = "parts"  # an entry of write_hf_folder whose Hugging Face tensor is made of several of ours
 _SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors$")
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -92,6 +93,11 @@ class HFBoxes:
                              f"{list(shape) if shape else 'no such tensor'})")
         if self.adapter.ours_only.match(name) or 0 in sizes:  # bias balancing's state starts at zero
             return torch.zeros(sizes, dtype=self.dtype or torch.float32)
+        part = self.adapter.part_of(self.tied.get(name, name))
+        if part is not None:  # a strided part of one Hugging Face tensor (gpt-oss's experts)
+            hf, which = part
+            view = which.read(self._open(self._where[hf]).get_slice(hf), offsets, sizes)
+            return torch.empty(sizes, dtype=self.dtype or view.dtype).copy_(view)
         box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         stacked = self.adapter.is_stacked(name)  # (experts, out, in): one Hugging Face tensor per expert in the box
         sources = self._sources[name][box[0]] if stacked else self._sources[name]
@@ -142,7 +148,9 @@ class HFBoxes:
         held: dict[Path, set] = {}  # names in each file, for an index that places a tensor wrongly
         for hf, ours in needed.items():
             expected = self.shapes[self.tied.get(ours, ours)]
-            expected = list(expected[1:] if self.adapter.is_stacked(ours) else expected)
+            part = self.adapter.part_of(ours)
+            expected = list(part[1].hf_shape(expected) if part is not None else
+                            expected[1:] if self.adapter.is_stacked(ours) else expected)
             if hf not in self._where:
                 raise ConfigError(f"{folder} is missing tensor {hf} (shape {expected}) that config.json implies")
             file = self._where[hf]
@@ -192,11 +200,18 @@ def write_hf_folder(folder, cfg: ModelConfig, tensors: dict[str, tuple[tuple, to
     spec = model_spec(cfg)
     adapter, tied = spec.hf, spec.tied(cfg)
     hf_cfg = hf_config_from(cfg, next(iter(tensors.values()))[1])  # refuses what HF cannot express
-    entries = []  # (hf name, shape, dtype, our name, expert or None)
+    entries = []  # (hf name, shape, dtype, our name, expert or None, or PARTS for a tensor of parts)
+    made_of_parts: set[str] = set()
     for name, (shape, dtype) in tensors.items():
         if adapter.ours_only.match(name) or name in tied:
             continue  # no Hugging Face counterpart (the family's hf_config_from refused bias balancing
             # unless its class holds the bias); HF re-ties lm_head
+        part = adapter.part_of(name)
+        if part is not None:  # one entry for the Hugging Face tensor, made when its first part comes
+            if part[0] not in made_of_parts:
+                made_of_parts.add(part[0])
+                entries.append((part[0], part[1].hf_shape(shape), dtype, name, PARTS))
+            continue
         stacked = adapter.is_stacked(name)
         for expert, hf in enumerate(adapter.hf_sources(name, cfg.moe.n_experts)):
             entries.append((hf, tuple(shape[1:] if stacked else shape), dtype, name, expert if stacked else None))
@@ -225,7 +240,15 @@ def write_hf_folder(folder, cfg: ModelConfig, tensors: dict[str, tuple[tuple, to
 
     held: dict[str, torch.Tensor] = {}  # the one fivefold tensor being written (experts span entries)
 
-    def piece(name: str, expert: int | None) -> torch.Tensor:
+    def piece(name: str, expert) -> torch.Tensor:
+        if expert is PARTS:  # a Hugging Face tensor made of several of ours, each read once
+            held.clear()
+            hf = adapter.hf_name(name)
+            ours = adapter.parts_of(hf)
+            out = torch.empty(ours[0][1].hf_shape(tensors[ours[0][0]][0]), dtype=tensors[name][1])
+            for our_name, which in ours:
+                which.write(out, read(our_name))
+            return out
         if name not in held:
             held.clear()  # let the previous tensor go before reading the next
             held[name] = read(name)

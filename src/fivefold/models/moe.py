@@ -1,4 +1,5 @@
-"""Mixture-of-Experts feed-forward: router, SwiGLU experts, optional shared experts.
+"""Mixture-of-Experts feed-forward: router, SwiGLU experts, optional shared experts; gpt-oss's
+router bias, expert biases and clamped SwiGLU as options of the same modules.
 
 Still a plain single-device module. Two seams let parallel/expert/apply.py spread the experts over ranks
 without touching the math here:
@@ -39,6 +40,7 @@ from torch import nn
 
 from fivefold.config import ModelConfig, MoEConfig
 from fivefold.models.decoder import FeedForward
+from fivefold.models.moe_capacity import _chained, _nested, capacity_keep  # noqa: F401 - re-exported
 from fivefold.models.moe_layout import is_moe_layer
 from fivefold.torch_internals import current_graph_task_id, grouped_mm, has_grouped_mm
 
@@ -53,12 +55,14 @@ class Router(nn.Module):
     added for the choice only; the combine weights come from the unbiased scores. DeepSeek-V3 also
     limits each token to its best `topk_group` of `n_group` expert groups, and scales the combine
     weights by `routed_scaling_factor`; at their defaults (1, 1, 1.0) both steps are skipped, so
-    the other families route exactly as before."""
+    the other families route exactly as before. gpt-oss's softmax over the top-k logits alone is
+    this softmax over all of them renormalised over the chosen ones (norm_topk_prob), the same
+    numbers; its router adds a learned bias to the logits (`router_bias`)."""
 
     def __init__(self, dim: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
+        self.gate = nn.Linear(dim, cfg.n_experts, bias=cfg.router_bias)  # gpt-oss's router has a bias
         # A buffer, not a parameter: moved by observed load, never by gradients; saved with the model.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
@@ -92,32 +96,72 @@ def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torc
 
 class Experts(nn.Module):
     """n SwiGLU experts stored stacked, (experts, out, in) like nn.Linear weights, so that a rank
-    can keep a slice of them and a grouped matmul can take them whole."""
+    can keep a slice of them and a grouped matmul can take them whole. With `bias` (gpt-oss) each
+    projection has a stacked bias too: b1 (gate) and b3 (up) (experts, hidden), b2 (experts, dim).
+    `activation(gate, up)` joins the two (`swiglu`, or gpt-oss's `clamped_swiglu`)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, bias: bool = False, activation=None):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b2 = nn.Parameter(torch.empty(n_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(n_experts, hidden))
+        self.activation = activation or swiglu
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: (N, dim) rows sorted by expert, counts[e] rows for expert e of this module."""
-        return grouped_swiglu(x, self.w1, self.w2, self.w3, counts)
+        return self.apply_weights(x, counts, lambda w: w)
+
+    def apply_weights(self, x: torch.Tensor, counts: list[int], local) -> torch.Tensor:
+        """The experts with each stacked tensor read through `local` (tensor parallelism: its local
+        tensor, parallel/tensor/apply.py)."""
+        biases = tuple(local(getattr(self, b)) for b in ("b1", "b2", "b3")) if hasattr(self, "b1") else None
+        return grouped_swiglu(x, local(self.w1), local(self.w2), local(self.w3), counts, biases, self.activation)
 
 
-def grouped_swiglu(x, w1, w2, w3, counts: list[int]) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's: the gate clamped from above and the up projection on both sides at `limit`, then
+    gate·sigmoid(alpha·gate)·(up + 1)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
+
+
+def expert_activation(cfg: MoEConfig):
+    if cfg.activation == "clamped_swiglu":
+        return functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    return swiglu
+
+
+def grouped_swiglu(x, w1, w2, w3, counts: list[int], biases=None, activation=swiglu) -> torch.Tensor:
+    """`biases`: (b1, b2, b3) stacked per expert, or None."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+    biases = tuple(b.to(dtype) for b in biases) if biases is not None else None
     if grouped_mm_usable(x.device, dtype, x.shape[-1], w1.shape[1]):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        hidden = F.silu(grouped_mm(x, w1.mT, offs=offsets)) * grouped_mm(x, w3.mT, offs=offsets)
-        return grouped_mm(hidden, w2.mT, offs=offsets)
-    return looped_swiglu(x, w1, w2, w3, counts)
+        gate, up = grouped_mm(x, w1.mT, offs=offsets), grouped_mm(x, w3.mT, offs=offsets)
+        if biases is not None:  # each row's expert's bias
+            expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                             torch.tensor(counts, device=x.device), output_size=x.shape[0])
+            gate, up = gate + biases[0][expert], up + biases[2][expert]
+        out = grouped_mm(activation(gate, up), w2.mT, offs=offsets)
+        return out + biases[1][expert] if biases is not None else out
+    return looped_swiglu(x, w1, w2, w3, counts, biases, activation)
 
 
-def looped_swiglu(x, w1, w2, w3, counts: list[int]) -> torch.Tensor:
+def looped_swiglu(x, w1, w2, w3, counts: list[int], biases=None, activation=swiglu) -> torch.Tensor:
     """One matmul per expert: the fallback, and the reference the grouped path is tested against."""
-    outs = [F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e])
+    b1, b2, b3 = biases if biases is not None else (None, None, None)
+    outs = [F.linear(activation(F.linear(part, w1[e], None if b1 is None else b1[e]),
+                                F.linear(part, w3[e], None if b3 is None else b3[e])),
+                     w2[e], None if b2 is None else b2[e])
             for e, part in enumerate(x.split(counts))]
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
@@ -201,7 +245,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = Router(dim, cfg)
-        self.experts = Experts(cfg.n_experts, dim, hidden)
+        self.experts = Experts(cfg.n_experts, dim, hidden, cfg.projection_bias, expert_activation(cfg))
         self.shared = FeedForward(dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_grad_scale = 1.0  # set by the training loop: 1/micro-batches per step
         self.sequence_sum = None  # set when sequences are split over ranks (sequence_aux_loss)
@@ -270,87 +314,6 @@ class MoE(nn.Module):
         of underloaded ones up by a fixed rate, from the load seen over a whole step."""
         load = load.to(self.router.expert_bias.device, torch.float32)
         self.router.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
-
-
-def capacity_keep(indices: torch.Tensor, n_experts: int, capacity: int | None, pieces=None) -> torch.Tensor:
-    """(batch, seq, k) chosen experts -> (batch, seq, k) bool, False for assignments dropped.
-
-    Per sequence, each expert takes at most `capacity` assignments, first-choice assignments
-    before second choices (GShard), earlier positions first within a choice.
-
-    `pieces`, when given, says the `seq` positions are pieces of longer sequences whose other pieces
-    other ranks hold, and the decision is the one taken on the whole sequences (see `_pieces_keep`
-    for what it must provide); None: these are whole sequences."""
-    if capacity is None:
-        return torch.ones_like(indices, dtype=torch.bool)
-    if pieces is not None:
-        return _pieces_keep(indices, n_experts, capacity, pieces)
-    batch, seq, k = indices.shape
-    by_priority = indices.transpose(1, 2).reshape(batch, k * seq)  # slot-major, then position
-    # Rank of each assignment among its expert's; (batch, k*seq, E) is small for a sequence.
-    one_hot = F.one_hot(by_priority, n_experts)
-    rank = (one_hot.cumsum(1) * one_hot).sum(-1) - 1
-    return (rank < capacity).view(batch, k, seq).transpose(1, 2)
-
-
-def _chained(inner, outer):
-    """Sum a statistic over the slices of the rank's sequence, then over the ranks' pieces."""
-    if inner is None or outer is None:
-        return inner or outer
-    return lambda t: outer(inner(t))
-
-
-def _nested(outer, inner):
-    """The pieces of whole sequences that this module's tokens are, when they are `inner`'s
-    slices of the rank's sequence, itself `outer`'s pieces of the whole sequence (either None:
-    that level does not split)."""
-    if inner is None or outer is None:
-        return inner or outer
-    return NestedPieces(outer, inner)
-
-
-class NestedPieces:
-    """Pieces of pieces, in `_pieces_keep`'s terms. The rank's sequence is `outer`'s a chunks;
-    `inner` cuts it into b equal slices, this module holding one. Cutting each outer chunk into b
-    sub-chunks makes both levels whole numbers of sub-chunks: the rank's sequence is a·b of them,
-    this slice a, and the whole sequence outer.n_chunks·b. (The sub-chunks must hold whole
-    positions: the sequence length divisible by outer.n_chunks·b, which validate() checks.)"""
-
-    def __init__(self, outer, inner):
-        self.outer, self.inner = outer, inner
-        a, b = len(outer.chunks), inner.n_chunks
-        (t,) = inner.chunks  # one slice per module
-        local = range(t * a, (t + 1) * a)  # sub-chunk indices in the rank's sequence
-        self.chunks = [outer.chunks[j // b] * b + j % b for j in local]
-        self.n_chunks = outer.n_chunks * b
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """(a, ...) for this slice's sub-chunks -> (outer.n_chunks·b, ...) by global sub-chunk."""
-        a, b = len(self.outer.chunks), self.inner.n_chunks
-        rank_sequence = self.inner.gather(local.unsqueeze(0)).reshape(a * b, *local.shape[1:])
-        per_outer_chunk = rank_sequence.view(a, b, *local.shape[1:])  # sub-chunks of each outer chunk
-        return self.outer.gather(per_outer_chunk).reshape(self.n_chunks, *local.shape[1:])
-
-
-def _pieces_keep(indices: torch.Tensor, n_experts: int, capacity: int, pieces) -> torch.Tensor:
-    """capacity_keep's whole-sequence decision, taken on pieces of the sequences.
-
-    The local `seq` positions are `len(pieces.chunks)` equal chunks laid end to end; chunk i is
-    chunk `pieces.chunks[i]` of the whole sequence's `pieces.n_chunks`. `pieces.gather(t)` takes a
-    (local chunks, ...) tensor from every holder and returns it (n_chunks, ...) by global chunk.
-    In the whole sequence, an assignment's rank among its expert's (slot-major, then position) is
-    (assignments of earlier slots, anywhere) + (same slot, earlier chunks) + (its rank inside its
-    own chunk): only the per-chunk counts travel, a few integers per expert."""
-    batch, seq, k = indices.shape
-    n_local = len(pieces.chunks)
-    one_hot = F.one_hot(indices.view(batch, n_local, seq // n_local, k), n_experts)  # (b, chunk, pos, k, E)
-    counts = pieces.gather(one_hot.sum(2).transpose(0, 1).contiguous())  # (n_chunks, b, k, E)
-    slot_totals = counts.sum(0)  # (b, k, E)
-    earlier_slots = slot_totals.cumsum(1) - slot_totals
-    earlier_chunks = (counts.cumsum(0) - counts)[pieces.chunks]  # (local chunks, b, k, E)
-    offset = (earlier_slots + earlier_chunks).transpose(0, 1).unsqueeze(2)  # (b, chunk, 1, k, E)
-    rank = ((one_hot.cumsum(2) - 1 + offset) * one_hot).sum(-1)
-    return (rank < capacity).view(batch, seq, k)
 
 
 def sequence_aux_loss(scores: torch.Tensor, indices: torch.Tensor, cfg: MoEConfig,

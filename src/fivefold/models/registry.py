@@ -16,6 +16,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": "fivefold.models.qwen3",  # Qwen3 dense: per-head q/k RMSNorm, explicit head_dim
     "qwen3_moe": "fivefold.models.qwen3_moe",  # Qwen3-MoE: fine-grained experts, dense layers by list
     "deepseek_v3": "fivefold.models.deepseek_v3",  # DeepSeek-V3: latent attention, YaRN, grouped routing
+    "gpt_oss": "fivefold.models.gpt_oss",  # gpt-oss: sliding windows, attention sinks, biases, clamped SwiGLU experts
 }
 
 

@@ -32,7 +32,9 @@ class TP:
 
     Megatron's layout: a block's column-split projections (heads, hidden units) take the whole
     stream and its row-split projections' partial outputs are summed back into it, one all-reduce
-    (or under sequence parallelism a reduce-scatter and an all-gather) per sub-layer."""
+    (or under sequence parallelism a reduce-scatter and an all-gather) per sub-layer. A projection's
+    bias is laid out with its output: split with a column-split one, added once after the sum of a
+    row-split one, replicated with a replicated one."""
 
     COLUMN = "column"  # nn.Linear split by output features; computes on the local shard
     ROW_TO_SEQUENCE = "row_to_sequence"  # nn.Linear split by input features; partial sums -> stream, in order
@@ -52,11 +54,15 @@ class TP:
     STREAM_LINEAR = "stream_linear"
     # MoE layer: weights whole on every tp rank, tokens split (each rank routes its own slice)
     REPLICATED_MOE = "replicated_moe"
+    # A module holding one value per attention head along dim 0 (attention sinks, models/decoder.py
+    # HeadValues): split by heads as q is; it returns this rank's heads.
+    HEAD_VALUES = "head_values"
     VOCAB_EMBEDDING = "vocab_embedding"  # nn.Embedding split by vocabulary rows
     VOCAB_OUTPUT = "vocab_output"  # nn.Linear split by vocabulary; logits stay sharded for the loss
 
     ALL = (COLUMN, ROW_TO_SEQUENCE, ROW_TO_TOKENS, WHOLE_SEQUENCE_IN, ALL_TOKENS_IN, STREAM_NORM,
-           PARTIAL_NORM, REPLICATED_PARTIAL, STREAM_LINEAR, REPLICATED_MOE, VOCAB_EMBEDDING, VOCAB_OUTPUT)
+           PARTIAL_NORM, REPLICATED_PARTIAL, STREAM_LINEAR, REPLICATED_MOE, HEAD_VALUES, VOCAB_EMBEDDING,
+           VOCAB_OUTPUT)
 
 
 @dataclass(frozen=True)

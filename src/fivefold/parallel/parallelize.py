@@ -1,7 +1,7 @@
 """The one place that turns a freshly built single-device model into this rank's part of a layout.
 
-Order (docs/design.md): pipeline split -> per part: tensor/sequence parallel -> expert -> context ->
-activation recomputation -> compile; then materialise and data parallel (ZeRO / FSDP), the
+Order (docs/design.md): pipeline split -> per part: tensor/sequence parallel -> expert -> FP8 ->
+context -> activation recomputation -> compile; then materialise and data parallel (ZeRO / FSDP), the
 pipeline's schedule, and the step hooks of the features in use. The result, `Parallelized`
 (parallel/parallelized.py), is all the trainer sees: it never asks which dimensions are active.
 """
@@ -23,7 +23,8 @@ from fivefold.parallel.data.build import build_data_parallel
 from fivefold.parallel.expert.apply import RouterStep, apply_expert_parallel
 from fivefold.parallel.expert.replicas import ReplicaStep, replica_slots
 from fivefold.parallel.materialize import materialize
-from fivefold.parallel.parallelized import Parallelized, lm_loss
+from fivefold.parallel.loss import LMLoss
+from fivefold.parallel.parallelized import Parallelized
 from fivefold.parallel.pipeline.stages import Pipeline
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.step_hooks import MultiTokenPredictionStep, StepHook
@@ -45,14 +46,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
         apply_dimensions(part, spec, cfg, dims, mesh)
     data_parallel = shard_and_materialize(parts, dims, mesh, cfg, pipeline, device, fill)
     tied_group = None
+    loss_fn = LMLoss()
     if pipeline is not None:
         tied_group = tied_embedding_group(dims, pipeline)
         for param in pipeline.tied_copies():
             data_parallel.extra_copies[id(param)] = 2  # the pipeline holds the matrix twice
-        pipeline.build_schedule(cfg, lm_loss)
+        pipeline.build_schedule(cfg, loss_fn)
     return Parallelized(parts, dims, mesh, data_parallel, n_params, loss_parallel=dims.tp > 1, device=device,
                         pipeline=pipeline, mtp_depth=cfg.model.mtp_depth, tied_group=tied_group,
-                        step_hooks=step_hooks(parts, cfg))
+                        step_hooks=step_hooks(parts, cfg), loss_fn=loss_fn)
 
 
 def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: ParallelDims, mesh) -> None:
@@ -64,6 +66,11 @@ def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: Parall
                               keep_shards=keeps_shards(cfg))
     if dims.ep > 1:
         apply_expert_parallel(part, mesh["ep"], replicas=cfg.parallel.ep_replicas)
+    if cfg.train.fp8:  # the dense projections, tensor-parallel or not (parallel/float8.py)
+        from fivefold.parallel.float8 import apply_float8, float8_all_gather
+
+        apply_float8(part, spec, cfg.model, cfg.train.fp8, fsdp_all_gather=float8_all_gather(cfg, dims),
+                     token_mesh=mesh["cp"] if dims.cp > 1 else None)
     if dims.cp > 1:
         apply_context_parallel(part, spec.attention_core, mesh["cp"], cfg.parallel.cp_method)
     apply_recompute(part.layers, cfg.train.recompute, lambda index: spec.block_plan(cfg.model, index),

@@ -12,7 +12,6 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from fivefold.mesh import ParallelDims
@@ -21,17 +20,9 @@ from fivefold.parallel.comm_ledger import CommLedger
 from fivefold.parallel.context.apply import SequenceSplit
 from fivefold.parallel.data.base import DataParallel
 from fivefold.parallel.expert.apply import gather_experts
+from fivefold.parallel.loss import LMLoss, lm_loss, trained_positions  # noqa: F401 - lm_loss: its old home
 from fivefold.parallel.pipeline.stages import Pipeline
 from fivefold.parallel.step_hooks import StepHook
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position (fp32 for a stable log-softmax). Labels
-    (batch, seq, 1 + mtp_depth) carry multi-token prediction's targets too (models/mtp.py): the
-    LM labels are their first column."""
-    if labels.dim() == 3:
-        labels = labels[..., 0]
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 def _future(labels: torch.Tensor) -> dict:
@@ -45,7 +36,7 @@ class Parallelized:
 
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, mesh, data_parallel: DataParallel,
                  n_params: int, loss_parallel: bool, device: torch.device, pipeline: Pipeline | None = None,
-                 mtp_depth: int = 0, tied_group=None, step_hooks: list[StepHook] = ()):
+                 mtp_depth: int = 0, tied_group=None, step_hooks: list[StepHook] = (), loss_fn: LMLoss | None = None):
         # parts: the model, or under pipeline parallelism the stages this rank runs.
         self.parts, self.dims, self.mesh, self.pipeline = parts, dims, mesh, pipeline
         self.device = device  # where the collectives of host numbers run (parallel/collectives.py)
@@ -66,6 +57,8 @@ class Parallelized:
         self.step_hooks = list(step_hooks)
         self.step_metrics: dict = {}  # the hooks' metrics of the last step (router load, aux and MTP loss)
         self.n_micro = 0  # micro-batches of the last forward_backward
+        self.loss_fn = loss_fn or LMLoss()  # the pipeline's schedule holds the same object
+        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
 
     def _loss_context(self):
         if self._loss_parallel:
@@ -76,14 +69,14 @@ class Parallelized:
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self._loss_context():
-            return lm_loss(logits, labels)
+            return self.loss_fn(logits, labels)
 
     def forward_loss(self, inputs, labels, positions=None, documents=None) -> torch.Tensor:
         """The model's forward and LM loss on one micro-batch (no pipeline). The loss context is
         around the forward too: multi-token prediction computes its losses inside the model, on
         logits that tensor parallelism leaves vocabulary-sharded."""
         with self._loss_context():
-            return lm_loss(self.model(inputs, positions, documents, **_future(labels)), labels)
+            return self.loss_fn(self.model(inputs, positions, documents, **_future(labels)), labels)
 
     def backward(self, loss: torch.Tensor) -> None:
         with self._loss_context():
@@ -116,6 +109,7 @@ class Parallelized:
         for hook in self.step_hooks:  # e.g. MoE aux loss weighs like each micro-batch's LM loss: 1/n_micro
             hook.before_step(self, n_micro)
         self.n_micro = n_micro
+        self._scale_loss(batch, n_micro)
         if self.pipeline is not None:
             inputs, labels, positions, documents = self.split_windows(batch)
             if positions is None:
@@ -140,6 +134,7 @@ class Parallelized:
     def eval_loss(self, windows: torch.Tensor, autocast) -> float:
         """Mean loss of a batch without gradients (this rank's share; not yet averaged over dp)."""
         inputs, labels, positions, documents = self.split_windows(windows)
+        self._scale_loss(windows, self.pipeline.n_micro if self.pipeline is not None else 1)
         if self.pipeline is not None:
             if positions is None:
                 positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
@@ -147,6 +142,21 @@ class Parallelized:
                 return self.pipeline.evaluate(inputs, labels, positions, documents).item()
         with torch.no_grad(), autocast():
             return self.loss_value(self.loss(self.model(inputs, positions, documents), labels)).item()
+
+    def _scale_loss(self, windows, n_micro: int) -> None:
+        """Under a loss mask: the factor that makes each micro-batch's summed loss, once averaged
+        over the n_micro micro-batches and the dp·cp ranks, the mean over the trained positions
+        of the global batch (parallel/loss.py). Every rank of a dp group holds whole sequences
+        of its share, so their counts summed over dp give the global batch's."""
+        mine = trained_positions(windows)
+        if mine is None:
+            self.loss_fn.scale = None
+            return
+        total = mine
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            total = int(all_reduce_scalars([float(mine)], self.dp_group, self.device).item())
+        averaged_over = n_micro * (dist.get_world_size(self.dp_cp_group) if self.dp_cp_group is not None else 1)
+        self.loss_fn.scale = averaged_over / total if total else 0.0  # nothing trained: no gradient
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return self.data_parallel.clip_grad_norm(max_norm)

@@ -107,7 +107,10 @@ def _stream_bytes(block: nn.Module) -> int:
 
 def _keep_projection_inputs(module: nn.Module) -> None:
     if type(module) is nn.Linear:  # no tensor parallelism: as the row-split layer computes it
-        if module.bias is not None:
-            raise ValueError("an output projection with a bias is not supported by selective recomputation")
-        module.forward = lambda x, module=module: project(x, module.weight)
+        # A bias is added after the projection, in its dtype (its gradient needs nothing saved).
+        module.forward = lambda x, module=module: _plus_bias(project(x, module.weight), module.bias)
     module.forward = keep_projection_inputs(module.forward)
+
+
+def _plus_bias(out: torch.Tensor, bias) -> torch.Tensor:
+    return out if bias is None else out + bias.to(out.dtype)

@@ -80,7 +80,7 @@ def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq
     if not fused_attention:
         attention += stats.n_heads * seq_len / cp / t  # the softmax over all keys
     if stats.is_moe(layer):
-        f = stats.expert_params / (3 * h)  # expert ffn width
+        f = stats.expert_hidden  # expert ffn width
         k, n_shared = stats.top_k, stats.shared_expert_params / stats.expert_params
         # each token's top_k copies: dispatched input h and combined output h, plus the SwiGLU
         # of every routed and shared expert it visits; router scores (fp32) per token
@@ -117,7 +117,7 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
     if recompute == "full":
         return h / s * S
     if stats.is_moe(layer):  # tokens split over tp (parallel/tensor/apply.py): each rank routes 1/t of them
-        f = stats.expert_params / (3 * h)
+        f = stats.expert_hidden
         k, n_experts = stats.top_k, stats.n_experts
         n_shared = stats.shared_expert_params / stats.expert_params
         mlp = ((3 * k * h + 4 * k * f + n_shared * 4 * f) * A

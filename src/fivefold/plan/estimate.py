@@ -70,6 +70,20 @@ class Estimate:
                 "why": self.why, "tokens_per_sec_band": self.tokens_per_sec_band}
 
 
+def _float8_flops_per_token(stats, groups, seq: int) -> float:
+    """The matmul FLOPs train.fp8 runs in FP8 (parallel/float8.py): the layers' dense projections,
+    not attention's score and value products, the MoE layers (router, experts), MLA's latent
+    down-projections, multi-token prediction's eh_proj or the output layer."""
+    total = 0.0
+    for layer, count in groups:
+        flops = (stats.layer_flops_per_token(layer, seq) - stats.layer_attention_flops_per_token(layer, seq)
+                 - stats.moe_flops_per_token(layer) - 6.0 * stats.latent_params)
+        if layer >= stats.n_layers:  # a multi-token-prediction block: its output layer and eh_proj
+            flops -= stats.output_flops_per_token + 12.0 * stats.dim * stats.dim
+        total += count * max(0.0, flops)
+    return total
+
+
 def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                      prank: PipelineRank, links: dict) -> tuple[dict, dict]:
     """(seconds by cause, bytes by dimension) of one micro-batch's forward + backward on one
@@ -89,10 +103,14 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     per_token = recomputed * flops / shards
     if prank.has_output:
         per_token += stats.output_flops_per_token / shards
-    attn_per_token = n_layers * stats.attention_flops_per_token(seq) / shards
-    # FP8 linears (torchtitan's float8 rows) speed up every matmul but attention's.
+    # Attention's share (a sliding-window layer's queries see at most its window of keys).
+    layer_attention = sum(count * stats.layer_attention_flops_per_token(layer, seq) for layer, count in groups)
+    attn_per_token = layer_attention / shards
     linear = (per_token - recomputed * attn_per_token) * tokens_mb / achieved
-    compute = linear / runtime.float8_linear_speedup + recomputed * attn_per_token * tokens_mb / achieved
+    if workload.fp8:  # train.fp8: its projections' matmuls get the FP8 speed-up; a bf16 run gets none
+        fp8 = recomputed * _float8_flops_per_token(stats, groups, seq) / shards * tokens_mb / achieved
+        linear -= fp8 * (1 - 1 / runtime.float8_linear_speedup)
+    compute = linear + recomputed * attn_per_token * tokens_mb / achieved
     # Elementwise work (norms, residuals, RoPE, SwiGLU, casts, the loss) is bound by memory
     # bandwidth: a few passes over the activations each layer saves, and over the logits.
     traffic = (rank_activation_elements(stats, prank, layout, seq, "none", hw.fuses_attention(stats))
@@ -100,7 +118,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     if prank.has_output:
         traffic += 2 * tokens_local * stats.vocab_size / layout.tp * runtime.logits_bytes_per_element
     compute += traffic / hw.hbm_bw
-    attention = n_layers * stats.attention_flops_per_token(seq) * tokens_mb / shards / achieved
+    attention = layer_attention * tokens_mb / shards / achieved
 
     # Tensor parallelism: 8 collectives per layer and 2 for the output projection in the compute
     # dtype, 2 for the vocab-parallel embedding in the residual stream's (the weights') dtype; each

@@ -51,6 +51,8 @@ class Hardware:
     def fuses_attention(self, stats) -> bool:
         """Whether this model's attention runs in a fused kernel on this device."""
         distinct_v = stats.v_head_dim not in (0, stats.head_dim)
+        if stats.attention_sinks:  # fivefold's sink attention is plain PyTorch (models/masked_attention.py)
+            return False
         return self.fused_attention and (self.fused_attention_distinct_v or not distinct_v)
 
 
@@ -151,9 +153,11 @@ class Runtime:
     # Fixed cost of every optimizer step beyond the optimizer's memory traffic: gradient norm and
     # clipping, zeroing, loss reduction, logging (many small kernels per parameter tensor).
     step_overhead_s: float = 0.08
-    # FP8 linear layers (torchtitan's float8 rows only; fivefold has no FP8): how much faster the
-    # matmuls of nn.Linear run, after the casts, than in bf16 (the FP8 peak is 2x).
-    float8_linear_speedup: float = 1.0
+    # FP8 linear layers (train.fp8, torchao's float8 recipes): how much faster the matmuls of the
+    # dense projections run, after the casts, than in bf16 (the FP8 peak is 2x). Applied only to a
+    # workload that trains in FP8 (plan/estimate.py); fitted on torchtitan's float8 rows, which use
+    # the same torchao kernels (benchmarks/calibrate_time.py).
+    float8_linear_speedup: float = 1.16
     # torchtitan only (its PP + FSDP keeps blocks gathered across a step's micro-batches);
     # fivefold gathers each block for every micro-batch's forward and backward (parallel/data/fsdp.py).
     fsdp_gather_once_in_pipeline: bool = False

@@ -46,10 +46,11 @@ class PipelineRank:
 def _rank(stats: ModelStats, layers: tuple[int, ...], first: bool, last: bool,
           chunks: tuple[tuple[int, ...], ...] = (), sends: tuple[bool, ...] = ()) -> PipelineRank:
     main = [i for i in layers if i < stats.n_layers]
-    moe = [i for i in main if stats.is_moe(i)]
-    dense = [i for i in main if not stats.is_moe(i)]
+    # Dense and MoE layers, each split into full-attention and sliding-window ones (their FLOPs differ).
+    groups = [[i for i in main if stats.is_moe(i) == moe and (i in stats.sliding_layers) == sliding]
+              for moe in (False, True) for sliding in (False, True)]
     mtp = [i for i in layers if i >= stats.n_layers]  # multi-token prediction's blocks: a kind of their own
-    kinds = tuple((group[0], len(group)) for group in (dense, moe, mtp) if group)
+    kinds = tuple((group[0], len(group)) for group in (*groups, mtp) if group)
     n_moe = sum(stats.is_moe(i) for i in layers)
     return PipelineRank(layers, first, last, kinds, n_moe, chunks or (layers,), sends or (False,))
 

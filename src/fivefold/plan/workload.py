@@ -44,6 +44,7 @@ class Workload:
     precision: Precision
     order: tuple[str, ...] = ("pp", "dp", "cp", "tp")  # outermost first
     keep_gathered: bool = False  # parallel.sp_keep_gathered (plan/activations.py)
+    fp8: str = ""  # train.fp8: "" or the recipe; only then do the projections' matmuls get the FP8 speed-up
 
     @property
     def tokens_per_step(self) -> int:
@@ -55,4 +56,4 @@ def workload_from_config(cfg, precision: str | None = None) -> Workload:
     return Workload(stats=model_stats(cfg.model), seq_len=cfg.train.seq_len,
                     global_batch=cfg.train.global_batch,
                     precision=PRECISIONS[precision or cfg.train.dtype], order=order,
-                    keep_gathered=cfg.parallel.sp_keep_gathered)
+                    keep_gathered=cfg.parallel.sp_keep_gathered, fp8=cfg.train.fp8)

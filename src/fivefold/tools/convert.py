@@ -23,56 +23,22 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fivefold.config import Config, ConfigError, load_config, to_toml
+from fivefold.config import Config, ConfigError, to_toml
 from fivefold.models.hf import DEFAULT_SHARD_BYTES, model_from_tensors
-from fivefold.models.hf_stream import HFBoxes, write_hf_folder
+from fivefold.models.hf_stream import HFBoxes
 from fivefold.train import checkpoint_manifest, sharded_io
-from fivefold.train.state_shapes import check_shapes
-from fivefold.train.checkpoint import FORMAT, LATEST, expected_tensors, follow_latest, read_state, read_tensors
+from fivefold.train.checkpoint import FORMAT, read_state, read_tensors
+from fivefold.train.export import checkpoint_folder, checkpoint_to_hf, model_config, run_tokenizer
 
 BLOCK_BYTES = 256 * 2**20  # the largest box an import writes (and a later reader of a slice loads)
-
-
-def _model_config(state: dict, path: Path):
-    try:
-        return load_config(None, {"model": state["model"]}).model
-    except (KeyError, ConfigError) as err:
-        raise ConfigError(f"checkpoint {path}/state.json has no usable [model] settings ({err})") from None
-
-
-def checkpoint_folder(path) -> Path:
-    path = Path(path)
-    if (path / LATEST).is_file() and not (path / "state.json").is_file():
-        path = follow_latest(path)
-    if not (path / "state.json").is_file():
-        raise ConfigError(f"{path} is not a fivefold checkpoint (no state.json)")
-    return path
 
 
 def checkpoint_to_model(path) -> torch.nn.Module:
     """The single-device model with the weights of a fivefold checkpoint (any saving layout), read
     into fresh tensors: the peak is the model plus one stored piece."""
     path = checkpoint_folder(path)
-    cfg = _model_config(read_state(path), path)
+    cfg = model_config(read_state(path), path)
     return model_from_tensors(cfg, read_tensors(path, cfg))
-
-
-def checkpoint_to_hf(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """A Hugging Face folder from a fivefold checkpoint, one tensor in memory at a time."""
-    path = checkpoint_folder(src)
-    cfg = _model_config(read_state(path), path)
-    expected = expected_tensors(cfg, with_optimizer=False)  # in state-dict order, which the shards follow
-    check_shapes(path, sharded_io.shapes(path), expected, "model")
-    dtypes = sharded_io.dtypes(path)
-
-    def read(name: str) -> torch.Tensor:  # DCP loads a subset of keys into tensors we allocate
-        key = f"model/{name}"
-        tensor = torch.empty(expected[key], dtype=dtypes[key])
-        sharded_io.load({key: sharded_io.whole(tensor)}, path, single_process=True)
-        return tensor
-
-    return write_hf_folder(dst, cfg, {key.removeprefix("model/"): (shape, dtypes[key])
-                                      for key, shape in expected.items()}, read, max_shard_bytes)
 
 
 def _boxes(shape: tuple, stacked: bool, block_bytes: int):
@@ -133,7 +99,8 @@ def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
         return f"wrote fivefold checkpoint {dst} (train from it: fivefold train {dst}/config.toml " \
                f"--checkpoint.resume {dst})"
     if (src / "state.json").is_file() or (src / "latest").is_file():
-        checkpoint_to_hf(src, dst, max_shard_bytes)
+        tokenizer = run_tokenizer(checkpoint_folder(src))  # its files go beside the weights when they exist
+        checkpoint_to_hf(src, dst, max_shard_bytes, tokenizer)
         return f"wrote Hugging Face folder {dst}"
     raise ConfigError(f"{src} is neither a Hugging Face folder (config.json) nor a fivefold checkpoint "
                       "(state.json or latest)")

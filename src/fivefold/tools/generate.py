@@ -1,32 +1,26 @@
-"""`fivefold generate CHECKPOINT --prompt TEXT`: a sample from a trained checkpoint, so a user sees
-what the run learned.
+"""`fivefold generate CHECKPOINT --prompt TEXT [--chat]`: a sample from a trained checkpoint or an
+exported Hugging Face folder, so a user sees what the run learned.
 
-The single-device model comes from the checkpoint (any saving layout, convert.checkpoint_to_model);
-the tokenizer is the run's `data.tokenizer` (from the checkpoint's config.toml; byte when it names
-none) unless --tokenizer is given. No KV cache: each new token runs the model over the last
+The single-device model comes from the checkpoint (any saving layout, convert.checkpoint_to_model)
+or the folder (models.hf.load_pretrained); the tokenizer is the run's `data.tokenizer` (from the
+checkpoint's config.toml; byte when it names none), or the folder's tokenizer.json, unless
+--tokenizer is given. `--chat` renders the prompt as a user message with the tokenizer's chat
+template (train/chat_template.py, as `fivefold prepare --chat` renders the training data) and
+prints the assistant's reply. No KV cache: each new token runs the model over the last
 `model.max_seq_len` tokens, which is plenty for a sample of a few hundred tokens from a small model.
 """
 
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 
 import torch
 
 from fivefold.config import ConfigError, DataConfig
 from fivefold.tools.convert import checkpoint_folder, checkpoint_to_model
+from fivefold.train.export import run_tokenizer
 from fivefold.train.data import build_tokenizer
-
-
-def run_tokenizer(folder: Path) -> str:
-    """The tokenizer the run trained with: its config.toml's data.tokenizer (byte when absent)."""
-    try:
-        saved = tomllib.loads((folder / "config.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return "byte"  # config.toml is for people, not required: byte is the default tokenizer
-    return saved.get("data", {}).get("tokenizer", "byte")
 
 
 def _tokenizer(name: str, what: str):
@@ -42,24 +36,49 @@ def _tokenizer(name: str, what: str):
                           "byte or a Hugging Face tokenizer.json") from None
 
 
+def _source(path, tokenizer: str):
+    """(single-device model, tokenizer name, where the name came from) of a fivefold checkpoint or
+    of a Hugging Face folder (an export: its own tokenizer.json beside the weights)."""
+    path = Path(path)
+    if (path / "config.json").is_file() and not (path / "state.json").is_file():
+        from fivefold.models.hf import load_pretrained
+
+        own = path / "tokenizer.json"
+        name, what = (tokenizer, "--tokenizer") if tokenizer else (str(own) if own.is_file() else "byte",
+                                                                   f"the tokenizer of {path}")
+        return load_pretrained(path), name, what
+    folder = checkpoint_folder(path)
+    name, what = (tokenizer, "--tokenizer") if tokenizer else (run_tokenizer(folder), "the run's data.tokenizer")
+    return checkpoint_to_model(folder), name, what
+
+
 def generate(checkpoint, prompt: str, tokens: int = 200, temperature: float = 0.8, seed: int = 0,
-             tokenizer: str = "") -> tuple[str, list[int]]:
-    """(prompt + the sampled continuation, the new token ids). temperature 0 = greedy (argmax)."""
+             tokenizer: str = "", chat: bool = False, system: str = "", chat_template: str = "") -> tuple[str, list[int]]:
+    """(prompt + the sampled continuation, the new token ids). temperature 0 = greedy (argmax).
+    With `chat`, the prompt is a user message (after `system`, if given) rendered with the
+    tokenizer's chat template and its generation prompt, and the text returned is the reply alone,
+    ended by the template's end-of-turn token (the tokenizer's eos_token)."""
     if not prompt:
         raise ConfigError("--prompt is empty; give the text to continue, e.g. --prompt 'def main('")
     if tokens < 1:
         raise ConfigError(f"--tokens must be at least 1 (the number of new tokens), got {tokens}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    folder = checkpoint_folder(checkpoint)
-    name, what = (tokenizer, "--tokenizer") if tokenizer else (run_tokenizer(folder), "the run's data.tokenizer")
+    if (system or chat_template) and not chat:
+        raise ConfigError("--system and --chat-template render a conversation; add --chat")
+    model, name, what = _source(checkpoint, tokenizer)
     tok = _tokenizer(name, what)
-    model = checkpoint_to_model(folder).eval()
+    model = model.eval()
     vocab, window = model.cfg.vocab_size, model.cfg.max_seq_len
     if tok.vocab_size > vocab:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the checkpoint's model has "
                           f"{vocab}; pass the tokenizer the run trained with (--tokenizer)")
-    ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long)[None]
+    stop = None
+    if chat:
+        ids, stop = chat_prompt(name, prompt, system, chat_template)
+        ids = torch.as_tensor(ids, dtype=torch.long)[None]
+    else:
+        ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long)[None]
     if ids.numel() == 0:
         raise ConfigError(f"--prompt {prompt!r} encodes to no tokens; give some text to continue")
     generator = torch.Generator().manual_seed(seed)
@@ -72,9 +91,29 @@ def generate(checkpoint, prompt: str, tokens: int = 200, temperature: float = 0.
                 nxt = int(logits.argmax())
             else:
                 nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+            if nxt == stop:
+                break
             new.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    if chat:
+        return tok.decode(new), new
     return prompt + _continuation(tok, ids[0].tolist(), len(new)), new
+
+
+def chat_prompt(tokenizer: str, prompt: str, system: str = "", template_file: str = "") -> tuple[list[int], int | None]:
+    """(token ids of a user message rendered up to the assistant's turn, the end-of-turn token id)."""
+    if tokenizer == "byte":
+        raise ConfigError("--chat needs a tokenizer with a chat template (a tokenizer.json with its "
+                          "tokenizer_config.json); the byte tokenizer has none: pass --tokenizer PATH/tokenizer.json")
+    from fivefold.train.chat_template import Renderer, load_template
+
+    template = load_template(tokenizer, template_file)
+    renderer = Renderer(tokenizer, template, ("assistant",))
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    text = renderer.render(messages, "--prompt", generation_prompt=True)
+    eos = template.special.get("eos_token")
+    return renderer.backend.encode(text, add_special_tokens=False).ids, (
+        renderer.backend.token_to_id(eos) if eos is not None else None)
 
 
 def _continuation(tok, ids: list[int], n_new: int) -> str:

@@ -220,13 +220,19 @@ class DocumentBatches(GlobalBatches):
         else:
             sources, draws = self.schedule.assign(slots)
         ids = np.empty(tokens.shape, dtype=np.int64)
+        masked = any(getattr(split, "has_loss_mask", False) for split in self.splits)
+        trained = torch.ones(tokens.shape, dtype=torch.bool) if masked else None
         for s in np.unique(sources):
             here = sources == s
-            ids[here] = window_documents(self.splits[s], self.orders[s].window_at(draws[here]))
+            windows = self.orders[s].window_at(draws[here])
+            ids[here] = window_documents(self.splits[s], windows)
+            if masked:  # chat data: which tokens are trained targets (a plain source in a mix: all)
+                trained[torch.from_numpy(here)] = self.splits[s].loss_masks(windows)
         renumbered = np.zeros_like(ids)  # 0, 1, 2... from each window's first token
         renumbered[:, 1:] = np.cumsum(ids[:, 1:] != ids[:, :-1], axis=1)
         documents = torch.from_numpy(renumbered)
-        return DocumentWindows(tokens, documents, document_positions(documents) if self.restart_positions else None)
+        return DocumentWindows(tokens, documents, document_positions(documents) if self.restart_positions else None,
+                               trained)
 
 
 def load_training_data(cfg: DataConfig, seq_len: int, vocab_size: int, global_batch: int,

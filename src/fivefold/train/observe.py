@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fivefold import torch_internals
 from fivefold.config import Config
-from fivefold.config.validate import parse_steps
+from fivefold.config.validate_run import parse_steps
 from fivefold.parallel.collectives import all_reduce_scalars
 
 

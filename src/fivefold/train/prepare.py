@@ -11,6 +11,10 @@ tokenizer and the unit size, never on the worker count or on interruptions: byte
 
 Memory is bounded whatever the input: a worker holds one unit's text and tokens, the main
 process holds the plan and counts, and at most two units per worker are in flight.
+
+Chat data (`--chat`, prepare_chat.py) goes through the same plan, resume and manifest: its settings
+join the plan (so its digest), and its worker packs conversations into bins and writes a loss mask
+and the unit's counts beside the shard.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from fivefold.train.token_shards import DOCUMENTS, FORMAT, MANIFEST
 UNIT_BYTES = 32 << 20
 PLAN = ".plan.json"  # an unfinished prepare: what it is making (removed when the manifest is written)
 HINT = "--text-field"
+# Per-shard files joined into documents.npy / the manifest and then removed (.chat.json: chat counts).
+JOINED = (".docs.npy", ".chat.json")
 
 
 def tokenizer_identity(tokenizer: str) -> dict:
@@ -83,8 +89,9 @@ def _shard_names(out: Path, index: int) -> tuple[Path, Path]:
     return out / f"shard_{index:05d}.bin", out / f"shard_{index:05d}.docs.npy"
 
 
-def tokenize_unit(unit: list[dict], index: int, out: str, tokenizer: str, dtype: str, field: str) -> tuple[int, int]:
-    """Tokenize one unit into its shard; returns (tokens, documents)."""
+def tokenize_unit(unit: list[dict], index: int, out: str, tokenizer: str, dtype: str,
+                  field: str) -> tuple[int, int, dict]:
+    """Tokenize one unit into its shard; returns (tokens, documents, {}) (a chat unit's counts go in {})."""
     encode = _encoder(tokenizer)
     tokens_path, docs_path = _shard_names(Path(out), index)
     tmp_tokens, tmp_docs = tokens_path.with_name("." + tokens_path.name + ".tmp"), docs_path.with_name(
@@ -101,7 +108,7 @@ def tokenize_unit(unit: list[dict], index: int, out: str, tokenizer: str, dtype:
         np.save(f, np.frombuffer(starts, dtype=np.int64) if starts else np.zeros(0, np.int64))
     os.replace(tmp_docs, docs_path)
     os.replace(tmp_tokens, tokens_path)  # last: the token file's presence marks a finished shard
-    return written, len(starts)
+    return written, len(starts), {}
 
 
 def _worker_init() -> None:
@@ -112,13 +119,18 @@ def _worker_init() -> None:
 # ---------------------------------------------------------------- the main process's side
 
 
-def _plan(sources: list[str], tokenizer: str, field: str, unit_bytes: int) -> dict:
+def _plan(sources: list[str], tokenizer: str, field: str, unit_bytes: int, chat=None) -> dict:
     files = [p.resolve() for p in list_files(sources)]
+    if chat is not None:
+        from fivefold.train.prepare_chat import check_sources
+
+        check_sources(files)
     identity = tokenizer_identity(tokenizer)
-    return {"format": FORMAT, "version": 1, "tokenizer": identity, "dtype": token_dtype(identity["vocab_size"]),
+    plan = {"format": FORMAT, "version": 1, "tokenizer": identity, "dtype": token_dtype(identity["vocab_size"]),
             "text_field": field, "separator": "\n", "unit_bytes": unit_bytes,
             "sources": [{"path": str(p), "bytes": p.stat().st_size} for p in files],
             "units": plan_units(files, unit_bytes)}
+    return plan if chat is None else {**plan, **chat.plan_fields()}
 
 
 def _plan_digest(plan: dict) -> str:
@@ -141,7 +153,7 @@ def _start(out: Path, plan: dict) -> bool:
     digest = _plan_digest(plan)
     if (out / MANIFEST).is_file():
         if json.loads((out / MANIFEST).read_text()).get("plan_sha256") == digest:
-            for path in out.glob("*.docs.npy"):  # a prepare killed while tidying up after its manifest
+            for path in (p for suffix in JOINED for p in out.glob("*" + suffix)):  # killed while tidying up
                 path.unlink()
             (out / PLAN).unlink(missing_ok=True)
             return False
@@ -162,11 +174,17 @@ def _start(out: Path, plan: dict) -> bool:
     return True
 
 
-def _finished(out: Path, index: int, dtype: str) -> tuple[int, int] | None:
+def _finished(out: Path, index: int, dtype: str, chat) -> tuple[int, int, dict] | None:
     tokens_path, docs_path = _shard_names(out, index)
     if not (tokens_path.is_file() and docs_path.is_file()):
         return None
-    return tokens_path.stat().st_size // np.dtype(dtype).itemsize, len(np.load(docs_path, mmap_mode="r"))
+    stats = {}
+    if chat is not None:
+        from fivefold.train.prepare_chat import finished_stats
+
+        if (stats := finished_stats(out, index)) is None:
+            return None
+    return tokens_path.stat().st_size // np.dtype(dtype).itemsize, len(np.load(docs_path, mmap_mode="r")), stats
 
 
 def _progress(enabled: bool):
@@ -179,14 +197,22 @@ def _progress(enabled: bool):
                     TimeRemainingColumn(), console=console, disable=not (enabled and console.is_terminal))
 
 
-def _run_units(out: Path, plan: dict, todo: list[int], workers: int, advance) -> dict[int, tuple[int, int]]:
-    args = [(plan["units"][i], i, str(out), plan["tokenizer_path"], plan["dtype"], plan["text_field"]) for i in todo]
+def _run_units(out: Path, plan: dict, todo: list[int], workers: int, advance, chat=None) -> dict[int, tuple]:
+    if chat is None:
+        work = tokenize_unit
+        args = [(plan["units"][i], i, str(out), plan["tokenizer_path"], plan["dtype"], plan["text_field"])
+                for i in todo]
+    else:
+        from fivefold.train import prepare_chat
+
+        work = prepare_chat.pack_unit
+        args = [(plan["units"][i], i, str(out), plan["dtype"], chat) for i in todo]
     pause = float(os.environ.get("FIVEFOLD_DEBUG_PREPARE_PAUSE_S", "0"))  # test-only: time to kill a prepare
     done = {}
     workers = min(workers, len(args))  # starting a process costs a second: no more than there are units
     if workers <= 1:
         for a in args:
-            done[a[1]] = tokenize_unit(*a)
+            done[a[1]] = work(*a)
             advance(a[0])
             time.sleep(pause)
         return done
@@ -198,7 +224,7 @@ def _run_units(out: Path, plan: dict, todo: list[int], workers: int, advance) ->
             while queue or pending:
                 while queue and len(pending) < 2 * workers:  # a bounded number of units in flight
                     a = queue.pop()
-                    pending[pool.submit(tokenize_unit, *a)] = a
+                    pending[pool.submit(work, *a)] = a
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
                     a = pending.pop(future)
@@ -210,14 +236,14 @@ def _run_units(out: Path, plan: dict, todo: list[int], workers: int, advance) ->
     return done
 
 
-def _write_document_index(out: Path, counts: list[tuple[int, int]]) -> None:
+def _write_document_index(out: Path, counts: list[tuple]) -> None:
     """documents.npy: every document's start in the whole stream, streamed shard by shard."""
     tmp = out / ("." + DOCUMENTS + ".tmp")
-    total = sum(d for _, d in counts)
+    total = sum(c[1] for c in counts)
     with tmp.open("wb") as f:
         np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (total,)})
         offset = 0
-        for index, (tokens, _) in enumerate(counts):
+        for index, (tokens, *_) in enumerate(counts):
             starts = np.load(_shard_names(out, index)[1])
             f.write((starts + offset).astype("<i8").tobytes())
             offset += tokens
@@ -225,39 +251,56 @@ def _write_document_index(out: Path, counts: list[tuple[int, int]]) -> None:
 
 
 def prepare(sources: list[str], tokenizer: str, out: str, workers: int | None = None, text_field: str = "text",
-            unit_bytes: int | None = None, progress: bool = True) -> dict:
-    """Tokenize `sources` into the prepared folder `out`; returns its manifest."""
+            unit_bytes: int | None = None, progress: bool = True, chat=None) -> dict:
+    """Tokenize `sources` into the prepared folder `out`; returns its manifest. `chat`: the settings
+    of a chat prepare (prepare_chat.chat_settings), or None for plain text."""
     unit_bytes = unit_bytes or UNIT_BYTES
     if not sources:
         raise ConfigError("fivefold prepare needs at least one SRC (a file, folder or glob)")
     folder = Path(out)
-    plan = _plan(sources, tokenizer, text_field, unit_bytes)
+    plan = _plan(sources, tokenizer, text_field, unit_bytes, chat)
     if not _start(folder, plan):
         return json.loads((folder / MANIFEST).read_text())
     units = plan["units"]
-    counts = {i: c for i in range(len(units)) if (c := _finished(folder, i, plan["dtype"])) is not None}
+    counts = {i: c for i in range(len(units)) if (c := _finished(folder, i, plan["dtype"], chat)) is not None}
     todo = [i for i in range(len(units)) if i not in counts]
     with _progress(progress) as bar:
         task = bar.add_task("prepare", total=len(units), completed=len(counts))
         plan_for_workers = {**plan, "tokenizer_path": tokenizer}
         counts.update(_run_units(folder, plan_for_workers, todo, workers or os.cpu_count() or 1,
-                                 lambda unit: bar.advance(task)))
+                                 lambda unit: bar.advance(task), chat))
     ordered = [counts[i] for i in range(len(units))]
     _write_document_index(folder, ordered)
     shards = [{"file": _shard_names(folder, i)[0].name, "tokens": t, "documents": d, "pieces": units[i]}
-              for i, (t, d) in enumerate(ordered)]
+              for i, (t, d, _) in enumerate(ordered)]
     manifest = {key: plan[key] for key in plan if key != "units"}
-    manifest.update(plan_sha256=_plan_digest(plan), tokens=sum(t for t, _ in ordered),
-                    documents=sum(d for _, d in ordered), shards=shards)
+    manifest.update(plan_sha256=_plan_digest(plan), tokens=sum(c[0] for c in ordered),
+                    documents=sum(c[1] for c in ordered), shards=shards)
+    if chat is not None:
+        from fivefold.train.prepare_chat import manifest_fields
+
+        manifest["chat"] = manifest_fields(plan, [c[2] for c in ordered])
+        # The tokenizer and its chat template travel with the data: a run, its export and
+        # `fivefold generate --chat` find them here (train/export.py data_tokenizer).
+        from fivefold.train.chat_template import copy_tokenizer
+
+        copy_tokenizer(Path(tokenizer), folder / "tokenizer")
     _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    for i in range(len(units)):
-        _shard_names(folder, i)[1].unlink()  # joined into documents.npy
+    for i in range(len(units)):  # joined into documents.npy and the manifest
+        stem = _shard_names(folder, i)[0].name[: -len(".bin")]
+        for suffix in JOINED:
+            (folder / (stem + suffix)).unlink(missing_ok=True)
     (folder / PLAN).unlink()
     return manifest
 
 
 def summary(manifest: dict, out: str, seconds: float) -> str:
     rate = f", {manifest['tokens'] / seconds:,.0f} tokens/s" if seconds > 0 else ""
+    chat = ""
+    if "chat" in manifest:
+        from fivefold.train.prepare_chat import summary_part
+
+        chat = summary_part(manifest)
     return (f"prepared {out}: {manifest['tokens']:,} tokens ({manifest['dtype']}), {manifest['documents']:,} "
-            f"documents, {len(manifest['shards'])} shards from {len(manifest['sources'])} files in "
+            f"documents{chat}, {len(manifest['shards'])} shards from {len(manifest['sources'])} files in "
             f"{seconds:.1f}s{rate}")

@@ -22,9 +22,23 @@ from torch import nn
 
 from fivefold.parallel.grad_norm import local_tensor
 from fivefold.parallel.pieces import named_params, persistent_buffers, piece_origin
+from fivefold.torch_internals import is_traceable_wrapper_subclass
 from fivefold.train.sharded_io import Pieces
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments, saved under these names
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper of one tensor of the same shape and dtype, else `tensor`.
+    torchao's FP8 all-gather (train.fp8 under zero 3, parallel/float8.py) wraps FSDP2's weight shards,
+    and AdamW's moments made like them, so; a checkpoint holds (and loads into) the plain inside and
+    reads back without torchao."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return tensor
+    names, _ = tensor.__tensor_flatten__()
+    inner = getattr(tensor, names[0]) if len(names) == 1 else None
+    same = inner is not None and inner.shape == tensor.shape and inner.dtype == tensor.dtype
+    return inner if same else tensor
 
 
 def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple, tuple, int]]:
@@ -78,7 +92,7 @@ class StateBoxes:
             if name in self.tied_copies and not for_load:
                 continue
             offsets, shape = self.origin(name, param)
-            local = local_tensor(param)
+            local = plain(local_tensor(param))
             self._add(out, self._key("model", name), shape, local.dtype, offsets, local.detach())
         for name, buf in persistent_buffers(self.par).items():
             self._add(out, f"model/{name}", buf.shape, buf.dtype, [0] * buf.dim(), buf)
@@ -115,7 +129,7 @@ class StateBoxes:
                 continue
             origin, shape = self.origin(name, param)
             for key, moment in self._moments(optimizer, param, for_load).items():
-                local = local_tensor(moment)
+                local = plain(local_tensor(moment))
                 self._add(out, self._key(key, name), shape, local.dtype, origin, local)
         return out
 

@@ -20,7 +20,61 @@ def check_supported(cfg: Config) -> None:
         raise ConfigError(f"model.mtp_depth={m.mtp_depth} needs a family with multi-token prediction "
                           f"(deepseek_v3); model.family={m.family} has none, so set model.mtp_depth = 0")
     spec.check(m)
+    if cfg.checkpoint.export_hf:
+        from fivefold.models.hf import hf_config_from
+
+        hf_config_from(m)  # what transformers cannot express is refused now, not after the run
     check_backend(p.backend, torch.cuda.is_available())
+    if cfg.train.fp8:
+        check_float8(cfg)
     if cfg.log.memory_snapshot and not torch.cuda.is_available():
         raise ConfigError("log.memory_snapshot records the CUDA allocator's history, and this machine has no "
                           "CUDA device; unset log.memory_snapshot (log.profile_steps traces CPU runs too)")
+
+
+def check_float8(cfg: Config) -> None:
+    """train.fp8 needs torchao's float8 training, and on CUDA a GPU with FP8 matmuls and sizes its
+    kernel takes."""
+    from fivefold.parallel.float8 import import_torchao
+
+    recipe = cfg.train.fp8
+    try:
+        import_torchao()
+    except ImportError:
+        raise ConfigError(f"train.fp8='{recipe}' needs torchao: pip install 'fivefold[fp8]'") from None
+    if not torch.cuda.is_available():
+        return  # the CPU kernel of torch._scaled_mm takes any size
+    if torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        raise ConfigError(f"train.fp8='{recipe}' needs FP8 matrix multiplies (CUDA compute capability 8.9 or "
+                          f"newer: L4, L40, H100, ...), and {torch.cuda.get_device_name()} has {major}.{minor}; "
+                          "unset train.fp8")
+    _check_float8_sizes(cfg)
+
+
+def _check_float8_sizes(cfg: Config) -> None:
+    """CUDA's torch._scaled_mm multiplies sizes that are multiples of 16: each dense projection's
+    input and output features on a tp rank, and a micro-batch's tokens (the weight gradient's
+    contraction)."""
+    from fivefold.models import build_meta_model
+    from fivefold.models.spec import TP
+    from fivefold.parallel.float8 import float8_paths
+
+    p, t = cfg.parallel, cfg.train
+    tokens = (t.micro_batch or t.global_batch // max(1, p.dp)) * t.seq_len // p.cp
+    if tokens % 16:
+        raise ConfigError(f"train.fp8 on CUDA needs each micro-batch's tokens per rank (train.micro_batch x "
+                          f"train.seq_len / parallel.cp = {tokens}) to be a multiple of 16; change train.seq_len "
+                          "or train.micro_batch")
+    spec, model = model_spec(cfg.model), build_meta_model(cfg.model)
+    for index, paths in float8_paths(spec, cfg.model, model).items():
+        plan = spec.block_plan(cfg.model, int(index))
+        for path in paths:
+            linear = model.layers[index].get_submodule(path)
+            split_out = plan[path] == TP.COLUMN
+            out = linear.out_features // (p.tp if split_out else 1)
+            inp = linear.in_features // (1 if split_out else p.tp)
+            if out % 16 or inp % 16:
+                raise ConfigError(f"train.fp8 on CUDA needs the dense projections' sizes per tp rank to be "
+                                  f"multiples of 16, and layers.{index}.{path} multiplies {inp} -> {out} at "
+                                  f"parallel.tp={p.tp}; change the model's sizes or parallel.tp, or unset train.fp8")

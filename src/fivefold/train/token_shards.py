@@ -39,20 +39,38 @@ class TokenShards:
         self._maps: dict[int, np.memmap] = {}
         docs = self.folder / DOCUMENTS
         self.document_starts = np.load(docs, mmap_mode="r") if self.manifest["documents"] else np.zeros(0, np.int64)
+        # Chat data (`fivefold prepare --chat`): a uint8 loss mask beside each shard, and the length of
+        # the bins its conversations are packed into (0 for plain text).
+        self.has_loss_mask = bool(self.manifest.get("loss_mask"))
+        self.packed_seq_len = int(self.manifest.get("packed_seq_len", 0))
+        self.mask_files = [f.with_name(f.name[:-len(".bin")] + ".mask.bin") for f in self.files]
+        self._mask_maps: dict[int, np.memmap] = {}
 
     def _shard(self, i: int) -> np.ndarray:
         if i not in self._maps:  # opened on first use: start-up cost independent of the shard count
             self._maps[i] = np.memmap(self.files[i], dtype=self.dtype, mode="r")
         return self._maps[i]
 
+    def _mask_shard(self, i: int) -> np.ndarray:
+        if i not in self._mask_maps:
+            self._mask_maps[i] = np.memmap(self.mask_files[i], dtype=np.uint8, mode="r")
+        return self._mask_maps[i]
+
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start+length) of the stream, as int64 (may span shards)."""
-        out = np.empty(length, dtype=np.int64)
+        return self._gather(start, length, self._shard, np.int64)
+
+    def read_mask(self, start: int, length: int) -> np.ndarray:
+        """The loss mask of tokens [start, start+length) (True = a trained target); chat data only."""
+        return self._gather(start, length, self._mask_shard, np.bool_)
+
+    def _gather(self, start: int, length: int, shard_of, dtype) -> np.ndarray:
+        out = np.empty(length, dtype=dtype)
         done = 0
         shard = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
         while done < length:
             offset = start + done - int(self.shard_starts[shard])
-            piece = self._shard(shard)[offset: offset + length - done]
+            piece = shard_of(shard)[offset: offset + length - done]
             out[done: done + len(piece)] = piece
             done += len(piece)
             shard += 1
@@ -64,11 +82,21 @@ def held_out_ranges(shards: TokenShards, val_fraction: float) -> tuple[list[tupl
     n_docs = len(shards.document_starts)
     if val_fraction <= 0 or n_docs < 2:
         return [(0, shards.num_tokens)], []
+    if shards.packed_seq_len:  # chat data: hold out whole bins, so every range keeps windows on bins
+        return _held_out_units(shards.num_tokens, np.arange(0, shards.num_tokens, shards.packed_seq_len),
+                               val_fraction)
+    return _held_out_units(shards.num_tokens, shards.document_starts, val_fraction)
+
+
+def _held_out_units(num_tokens: int, unit_starts, val_fraction: float):
+    n_docs = len(unit_starts)
+    if n_docs < 2:
+        return [(0, num_tokens)], []
     n_blocks = min(n_docs, HELD_OUT_BLOCKS)
     n_val = min(n_blocks - 1, max(1, round(val_fraction * n_blocks)))
     held = set(np.random.default_rng(HELD_OUT_SEED).permutation(n_blocks)[:n_val].tolist())
     first_docs = [n_docs * b // n_blocks for b in range(n_blocks)]
-    edges = [0] + [int(shards.document_starts[d]) for d in first_docs[1:]] + [shards.num_tokens]
+    edges = [0] + [int(unit_starts[d]) for d in first_docs[1:]] + [num_tokens]
     train, val = [], []
     for block in range(n_blocks):
         target = val if block in held else train
@@ -94,13 +122,14 @@ class MappedSplit:
     def num_windows(self) -> int:
         return max(0, (self.num_tokens - 1) // self.seq_len)
 
-    def _read(self, start: int, length: int) -> np.ndarray:
+    def _read(self, start: int, length: int, read=None) -> np.ndarray:
+        read = read or self.shards.read
         parts, piece = [], int(np.searchsorted(self.range_starts, start, side="right")) - 1
         while length > 0:
             a, b = self.ranges[piece]
             begin = a + start - int(self.range_starts[piece])
             take = min(length, b - begin)
-            parts.append(self.shards.read(begin, take))
+            parts.append(read(begin, take))
             start, length, piece = start + take, length - take, piece + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -110,6 +139,21 @@ class MappedSplit:
 
         rows = [self._read(int(i) * self.seq_len, self.seq_len + 1) for i in np.asarray(indices).tolist()]
         return torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, self.seq_len + 1, dtype=torch.int64)
+
+    @property
+    def has_loss_mask(self) -> bool:
+        return self.shards.has_loss_mask
+
+    def loss_masks(self, indices):
+        """(len(indices), seq_len+1) bool: which tokens of these windows are trained targets
+        (all of them for plain text)."""
+        import torch
+
+        if not self.has_loss_mask:
+            return torch.ones(len(indices), self.seq_len + 1, dtype=torch.bool)
+        rows = [self._read(int(i) * self.seq_len, self.seq_len + 1, self.shards.read_mask)
+                for i in np.asarray(indices).tolist()]
+        return torch.from_numpy(np.stack(rows).astype(bool)) if rows else torch.zeros(0, self.seq_len + 1, dtype=torch.bool)
 
 
 def prepared_splits(folder: str, seq_len: int, val_fraction: float) -> tuple[MappedSplit, MappedSplit]:

@@ -23,7 +23,7 @@ from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
 from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
-from fivefold.train import checkpoint, faults, hangs, observe, preemption
+from fivefold.train import checkpoint, export, faults, hangs, observe, preemption
 from fivefold.train.data import load_training_data
 from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, cuda_memory, peak_flops
 from fivefold.train.mixture import GlobalBatches
@@ -105,6 +105,11 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
                            cfg.log.progress, wandb_run(cfg) if cfg.log.wandb and rt.is_main else None)
     writer.note(par.describe())
+    if t.fp8:  # what runs in FP8 and what does not, said once (parallel/float8.py)
+        from fivefold.models.registry import model_spec
+        from fivefold.parallel import float8
+
+        writer.note(float8.describe(cfg, model_spec(cfg.model), float8.float8_all_gather(cfg, par.dims)))
     if ignored_note(cfg):
         writer.note(ignored_note(cfg))  # options this layout does nothing with, said once
     resume_from = checkpoint.resolve(cfg)
@@ -202,6 +207,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
                                   f"finite for {bad_steps} steps in a row (train.max_bad_steps); lower train.lr, "
                                   "check the data, or resume from an earlier checkpoint")
             saved = bool(cfg.checkpoint.every) and (step + 1) % cfg.checkpoint.every == 0
+            saved = saved or (bool(cfg.checkpoint.export_hf) and step + 1 == t.steps)  # what the export reads
             if saved:
                 checkpoint.save(cfg, step + 1, par, optimizer, scheduler, sampler, rt.is_main)
             stops.inject(cfg.debug, step + 1, rt.rank)
@@ -216,6 +222,11 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
                 raise preemption.Stopped(preemption.stopped_sentence(signum, step + 1, path))
     checkpoint.wait_for_save()  # an asynchronous write finishes before the run returns
     prefetcher.close()
+    if cfg.checkpoint.export_hf and rt.is_main:
+        # One process, one tensor at a time, from the checkpoint just written (any layout wrote it).
+        export.checkpoint_to_hf(checkpoint_root_or_none(cfg, t.steps), cfg.checkpoint.export_hf,
+                                tokenizer=export.data_tokenizer(cfg.data.tokenizer, cfg.data.source))
+        print(f"exported step {t.steps} as a Hugging Face folder: {cfg.checkpoint.export_hf}", flush=True)
     writer.close()
     return result
 

@@ -1,5 +1,6 @@
 """DeepSeek-V3's RoPE: YaRN frequencies over the qk_rope_head_dim channels, the cos/sin attention
-factor, the softmax scale's mscale², and the rotation of interleaved channel pairs.
+factor, the softmax scale's mscale², and the rotation of interleaved channel pairs. gpt-oss uses the
+same YaRN frequencies (over head_dim, ramp ends not rounded) and attention factor.
 
 The formulas are YaRN's as transformers computes them for DeepSeek configs (`rope_type: "yarn"`):
 - frequencies: channel pairs rotating fewer than `beta_slow` times over the original context are
@@ -26,7 +27,13 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies of the qk_rope_head_dim RoPE channels (YaRN when rope_yarn_factor > 0)."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    return yarn_frequencies(cfg, cfg.qk_rope_head_dim)
+
+
+def yarn_frequencies(cfg: ModelConfig, dim: int) -> torch.Tensor:
+    """Inverse frequencies of `dim` RoPE channels, YaRN's when rope_yarn_factor > 0 (gpt-oss rotates
+    all of head_dim). With rope_yarn_truncate false (gpt-oss) the ramp's ends stay fractional."""
+    base = cfg.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     factor = cfg.rope_yarn_factor
     if factor > 0:
@@ -35,8 +42,10 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
         def pair_rotating(turns: float) -> float:  # the (fractional) pair that turns `turns` times
             return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-        low = max(math.floor(pair_rotating(cfg.rope_yarn_beta_fast)), 0)
-        high = min(math.ceil(pair_rotating(cfg.rope_yarn_beta_slow)), dim - 1)
+        low, high = pair_rotating(cfg.rope_yarn_beta_fast), pair_rotating(cfg.rope_yarn_beta_slow)
+        if cfg.rope_yarn_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # a ramp of width 0 would divide by zero
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fivefold.parallel.loss import IGNORE
+
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:
     """The two chunk indices (of 2·cp) that cp rank `rank` holds, early one first."""
@@ -45,6 +47,8 @@ class DocumentWindows:
     tokens: torch.Tensor
     documents: torch.Tensor
     positions: torch.Tensor | None = None  # None: 0, 1, 2... in every window
+    # Chat data (`fivefold prepare --chat`): True where the token is a trained target; None: all are.
+    loss_mask: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -55,8 +59,10 @@ class DocumentWindows:
         return self.tokens.shape
 
     def _map(self, fn) -> "DocumentWindows":
-        return DocumentWindows(fn(self.tokens), fn(self.documents),
-                               None if self.positions is None else fn(self.positions))
+        return DocumentWindows(*(None if t is None else fn(t) for t in self._fields()))
+
+    def _fields(self) -> tuple:
+        return self.tokens, self.documents, self.positions, self.loss_mask
 
     def to(self, device, non_blocking: bool = False) -> "DocumentWindows":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -65,8 +71,7 @@ class DocumentWindows:
         return self._map(torch.Tensor.pin_memory)
 
     def chunk(self, n: int) -> list["DocumentWindows"]:
-        parts = [t.chunk(n) if t is not None else [None] * n
-                 for t in (self.tokens, self.documents, self.positions)]
+        parts = [t.chunk(n) if t is not None else [None] * n for t in self._fields()]
         return [DocumentWindows(*fields) for fields in zip(*parts)]
 
 
@@ -91,11 +96,14 @@ class SequenceSplit:
     def split(self, windows: torch.Tensor | DocumentWindows):
         """(inputs, labels, RoPE positions or None, document ids or None) of this rank's tokens;
         positions are (1, local_seq), or (batch, local_seq) when they restart per document."""
-        tokens, documents, positions = windows, None, None
+        tokens, documents, positions, trained = windows, None, None, None
         if isinstance(windows, DocumentWindows):
             tokens, documents = windows.tokens, windows.documents[:, :-1]  # the inputs' ids
             positions = None if windows.positions is None else windows.positions[:, :-1]
+            trained = None if windows.loss_mask is None else windows.loss_mask[:, 1:]  # the labels' mask
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        if trained is not None:
+            labels = labels.masked_fill(~trained, IGNORE)
         if self.mtp_depth:
             from fivefold.models.mtp import future_tokens
 

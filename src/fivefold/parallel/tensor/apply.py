@@ -22,11 +22,11 @@ import functools
 import torch
 from torch import nn
 
-from fivefold.models.moe import Experts, grouped_swiglu
+from fivefold.models.moe import Experts
 from fivefold.models.spec import TP, ModelSpec
-from fivefold.parallel.tensor.layers import (ColumnParallelLinear, PartialGradLinear, PartialRMSNorm,
-                                         RowParallelLinear, TensorParallelGroup, VocabParallelEmbedding,
-                                         VocabParallelOutput, _SumValues)
+from fivefold.parallel.tensor.layers import (ColumnParallelLinear, HeadSplitValues, PartialGradLinear,
+                                         PartialRMSNorm, RowParallelLinear, TensorParallelGroup,
+                                         VocabParallelEmbedding, VocabParallelOutput, _SumValues)
 
 # The attribute of an MoE layer holding its tp process group when its tokens are split over tp
 # (read by parallel/expert/apply.py to sum router statistics).
@@ -87,6 +87,7 @@ def _apply_style(root: nn.Module, path: str, style: str, group: TensorParallelGr
         TP.PARTIAL_NORM: lambda: PartialRMSNorm(module, group),
         TP.REPLICATED_PARTIAL: lambda: PartialGradLinear(module, group),
         TP.STREAM_LINEAR: lambda: PartialGradLinear(module, group),
+        TP.HEAD_VALUES: lambda: HeadSplitValues(module, group),
         TP.VOCAB_EMBEDDING: lambda: VocabParallelEmbedding(module, group, group.scatter_sequence),
         TP.VOCAB_OUTPUT: lambda: VocabParallelOutput(module, group),
     }
@@ -145,10 +146,10 @@ class PartialGradExperts(Experts):
         for name, whole in experts.named_parameters(recurse=False):
             setattr(self, name, nn.Parameter(distribute_tensor(whole.detach(), group.mesh, [Replicate()],
                                                                src_data_rank=None)))
+        self.activation = experts.activation
 
     def forward(self, x, counts: list[int]):
-        # The stacked weights in the order Experts registers them, which grouped_swiglu takes.
-        return grouped_swiglu(x, *(_partial_local(w) for w in self.parameters(recurse=False)), counts)
+        return self.apply_weights(x, counts, _partial_local)
 
 
 def _partial_local(weight):
@@ -158,7 +159,7 @@ def _partial_local(weight):
 
 
 class SequenceSlices:
-    """What MoE capacity needs of a tp-split sequence (models/moe.py `_pieces_keep`): this tp rank
+    """What MoE capacity needs of a tp-split sequence (models/moe_capacity.py `_pieces_keep`): this tp rank
     holds slice `rank` of `size` equal, consecutive slices of the rank's sequence."""
 
     def __init__(self, group: TensorParallelGroup):

@@ -144,12 +144,20 @@ class _SumValues(torch.autograd.Function):
         return grad, None
 
 
-def _laid_out(layer: nn.Module, group: TensorParallelGroup, placement) -> nn.Parameter:
-    """`layer`'s weight as a DTensor over the tp ranks; every rank holds the whole weight already
-    (initialisation is seeded per name), so each keeps its slice without communicating."""
+def _laid_out(layer: nn.Module, group: TensorParallelGroup, placement, name: str = "weight") -> nn.Parameter:
+    """`layer`'s weight (or other tensor) as a DTensor over the tp ranks; every rank holds the whole
+    tensor already (initialisation is seeded per name), so each keeps its slice without communicating."""
+    return nn.Parameter(distribute_tensor(getattr(layer, name).detach(), group.mesh, [placement], src_data_rank=None))
+
+
+def _laid_out_bias(layer: nn.Module, group: TensorParallelGroup, placement) -> nn.Parameter | None:
+    """An nn.Linear's bias laid out like its output (None when it has none)."""
+    return _laid_out(layer, group, placement, "bias") if getattr(layer, "bias", None) is not None else None
+
+
+def _no_bias(layer: nn.Module) -> None:
     if getattr(layer, "bias", None) is not None:
-        raise ValueError("tensor-parallel layers carry no bias (the model has none)")
-    return nn.Parameter(distribute_tensor(layer.weight.detach(), group.mesh, [placement], src_data_rank=None))
+        raise ValueError(f"a tensor-parallel {type(layer).__name__} carries no bias, and this one has one")
 
 
 def _local(weight: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -158,29 +166,43 @@ def _local(weight: torch.Tensor, **kwargs) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x Wᵀ for this rank's rows of W (its output columns: heads, hidden units)."""
+    """y = x Wᵀ (+ b) for this rank's rows of W and b (its output columns: heads, hidden units)."""
+
+    # The matmul dimension the tp ranks split; train.fp8 swaps `matmul` for an FP8 one whose scales
+    # span it (parallel/float8.py).
+    sharded_dim = "out"
 
     def __init__(self, linear: nn.Linear, group: TensorParallelGroup):
         super().__init__()
         self.weight = _laid_out(linear, group, Shard(0))
+        self.bias = _laid_out_bias(linear, group, Shard(0))
+        self.matmul = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with saving_shards(x):
-            return F.linear(x, _local(self.weight))
+            return self.matmul(x, _local(self.weight), _local(self.bias) if self.bias is not None else None)
 
 
 class RowParallelLinear(nn.Module):
-    """This rank's input columns times its columns of W, then `reduce` sums over the tp ranks."""
+    """This rank's input columns times its columns of W, then `reduce` sums over the tp ranks; a
+    bias (replicated) is added once, to the sum. Under sequence parallelism each rank adds it to its
+    own tokens, so its gradient is a partial sum; on a whole, replicated stream it is whole."""
+
+    sharded_dim = "in"  # as ColumnParallelLinear's
 
     def __init__(self, linear: nn.Linear, group: TensorParallelGroup, reduce):
         super().__init__()
         self.weight = _laid_out(linear, group, Shard(1))
+        self.bias = _laid_out_bias(linear, group, Replicate())
         self.reduce = reduce
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.bias_grad = [Partial()] if group.sequence_parallel else [Replicate()]
         # An operator of its own: recomputation must keep its input, not its output (whole-sequence
         # partial sums under sequence parallelism; parallel/stream_projection.py).
-        return self.reduce(project(x, _local(self.weight)))
+        self.matmul = project
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.reduce(self.matmul(x, _local(self.weight)))
+        return out if self.bias is None else out + _local(self.bias, grad_placements=self.bias_grad).to(out.dtype)
 
 
 class PartialGradLinear(nn.Module):
@@ -191,10 +213,12 @@ class PartialGradLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group: TensorParallelGroup):
         super().__init__()
         self.weight = _laid_out(linear, group, Replicate())
+        self.bias = _laid_out_bias(linear, group, Replicate())  # a router's (gpt-oss): partial too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = _local(self.bias, grad_placements=[Partial()]) if self.bias is not None else None
         with saving_shards(x):
-            return F.linear(x, _local(self.weight, grad_placements=[Partial()]))
+            return F.linear(x, _local(self.weight, grad_placements=[Partial()]), bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -220,6 +244,7 @@ class VocabParallelOutput(ColumnParallelLinear):
     vocabulary: the loss (`loss_parallel`) never gathers them."""
 
     def __init__(self, linear: nn.Linear, group: TensorParallelGroup):
+        _no_bias(linear)
         super().__init__(linear, group)
         self.group = group
 
@@ -241,3 +266,16 @@ class PartialRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.normalized_shape, _local(self.weight, grad_placements=[Partial()]), self.eps)
+
+
+class HeadSplitValues(nn.Module):
+    """A module of one value per attention head (models/decoder.py HeadValues: the sinks' logits),
+    split by heads as the column-split q is; returns this rank's heads. Each rank attends with its
+    heads over the whole sequence, so their gradients are whole."""
+
+    def __init__(self, values: nn.Module, group: TensorParallelGroup):
+        super().__init__()
+        self.weight = _laid_out(values, group, Shard(0))
+
+    def forward(self) -> torch.Tensor:
+        return _local(self.weight)

@@ -1,0 +1,90 @@
+"""The run's own settings before any process starts: where checkpoints and logs go (folders that can
+be written), what resume and export name, and what the log section asks to record. validate()
+(config/validate.py) calls these; each failure is one sentence naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from fivefold.config.errors import ConfigError
+from fivefold.config.schema import Config
+
+
+def _require(ok: bool, message: str) -> None:
+    # As in config/validate_data.py: config/validate.py imports this module, so not from there.
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_checkpoint(cfg: Config) -> None:
+    c = cfg.checkpoint
+    _require(c.resume in ("none", "auto") or Path(c.resume).exists(),
+             f"checkpoint.resume='{c.resume}' must be none, auto, or an existing checkpoint folder")
+    _require(c.every == 0 or c.dir or cfg.log.dir, "checkpoint.every > 0 needs checkpoint.dir or log.dir "
+             "to say where checkpoints go")
+    _require(not c.export_hf or c.dir or cfg.log.dir, f"checkpoint.export_hf='{c.export_hf}' exports the final "
+             "checkpoint: set checkpoint.dir or log.dir to say where checkpoints go")
+    export = Path(c.export_hf) if c.export_hf else None
+    _require(export is None or not export.exists() or (export.is_dir() and not any(export.iterdir())) or
+             (export / "config.json").is_file(), f"checkpoint.export_hf='{c.export_hf}' holds files that are not a "
+             "Hugging Face folder; give a new or empty folder (an earlier export there is replaced)")
+
+
+def parse_steps(text: str) -> set[int]:
+    """log.profile_steps: "3", "3,10-12" -> {3, 10, 11, 12}; ValueError when it is not that."""
+    steps: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        a, b = int(first), int(last or first)
+        if a < 1 or b < a:
+            raise ValueError(part)
+        steps.update(range(a, b + 1))
+    return steps
+
+
+def check_log(cfg: Config, world_size: int | None) -> None:
+    g = cfg.log
+    try:
+        steps = parse_steps(g.profile_steps)
+    except ValueError:
+        raise ConfigError(f"log.profile_steps='{g.profile_steps}' must be step numbers and ranges from 1, "
+                          "e.g. '3' or '3,10-12'") from None
+    if steps:
+        _require(max(steps) <= cfg.train.steps, f"log.profile_steps='{g.profile_steps}' names step {max(steps)}, "
+                 f"after the run's last (train.steps={cfg.train.steps}); profile earlier steps")
+    for key, on in (("log.profile_steps", bool(steps)), ("log.memory_snapshot", g.memory_snapshot)):
+        _require(not on or bool(g.dir), f"{key} writes its files under log.dir, which is not set; set log.dir")
+    if g.wandb and world_size is not None:  # a launch: the package must be there before any rank starts
+        import importlib.util
+
+        _require(importlib.util.find_spec("wandb") is not None, "log.wandb=true needs the wandb package: "
+                 "pip install 'fivefold[wandb]', or set log.wandb=false")
+
+
+def check_run_folders(cfg: Config) -> None:
+    c = cfg.checkpoint
+    check_writable_dir("log.dir", cfg.log.dir)
+    if c.dir:
+        check_writable_dir("checkpoint.dir", c.dir)
+    elif cfg.log.dir and c.every:
+        check_writable_dir("checkpoint.dir (empty: <log.dir>/checkpoints)", str(Path(cfg.log.dir) / "checkpoints"))
+
+
+def check_writable_dir(key: str, text: str) -> None:
+    """A run folder fivefold writes into: a folder, or creatable inside a writable one. Writing is
+    tried (a temporary file, removed at once): permissions alone do not tell, e.g. for root or a
+    read-only mount."""
+    if not text:
+        return
+    path = Path(text)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    fix = f"give {key.split(' ')[0]} a folder fivefold may create and write"
+    _require(existing.is_dir(), f"{key}='{text}' is a file, not a folder; {fix}" if existing == path else
+             f"{key}='{text}' cannot be created: '{existing}' is a file; {fix}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{key}='{text}' is not writable ('{existing}': {err.strerror}); {fix}") from None

@@ -1,0 +1,82 @@
+"""A fivefold checkpoint as a Hugging Face folder, streamed: what `fivefold convert CKPT DST` and
+`checkpoint.export_hf` (at the end of a run) write.
+
+The folder is what transformers writes (config.json and safetensors shards with an index) plus the
+run's tokenizer files (tokenizer.json and, beside it, tokenizer_config.json with its chat template),
+so transformers, vLLM or `fivefold generate` read the result without the run's config. One tensor
+is in memory at a time: DCP loads each tensor alone into a tensor allocated for it, and the shard
+files are written as the tensors arrive.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import torch
+
+from fivefold.config import ConfigError, load_config
+from fivefold.models.hf import DEFAULT_SHARD_BYTES
+from fivefold.models.hf_stream import write_hf_folder
+from fivefold.train import sharded_io
+from fivefold.train.chat_template import copy_tokenizer
+from fivefold.train.checkpoint import LATEST, expected_tensors, follow_latest, read_state
+from fivefold.train.state_shapes import check_shapes
+
+PREPARED_TOKENIZER = "tokenizer"  # where `fivefold prepare --chat` keeps a copy of its tokenizer files
+
+
+def model_config(state: dict, path: Path):
+    try:
+        return load_config(None, {"model": state["model"]}).model
+    except (KeyError, ConfigError) as err:
+        raise ConfigError(f"checkpoint {path}/state.json has no usable [model] settings ({err})") from None
+
+
+def checkpoint_folder(path) -> Path:
+    path = Path(path)
+    if (path / LATEST).is_file() and not (path / "state.json").is_file():
+        path = follow_latest(path)
+    if not (path / "state.json").is_file():
+        raise ConfigError(f"{path} is not a fivefold checkpoint (no state.json)")
+    return path
+
+
+def data_tokenizer(tokenizer: str, source: str) -> str:
+    """The tokenizer file of a run's data: data.tokenizer, or the copy a chat prepare keeps in its
+    folder (a prepared folder's tokenizer is its own; data.tokenizer may be left at byte)."""
+    kept = Path(source) / PREPARED_TOKENIZER / "tokenizer.json"
+    return str(kept) if tokenizer == "byte" and kept.is_file() else tokenizer
+
+
+def run_tokenizer(folder: Path) -> str:
+    """The tokenizer the run trained with, from its config.toml's [data] (byte when absent)."""
+    try:
+        saved = tomllib.loads((folder / "config.toml").read_text()).get("data", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return "byte"  # config.toml is for people, not required: byte is the default tokenizer
+    return data_tokenizer(saved.get("tokenizer", "byte"), saved.get("source", ""))
+
+
+def checkpoint_to_hf(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: str = "byte") -> Path:
+    """A Hugging Face folder from a fivefold checkpoint, one tensor in memory at a time; with a
+    `tokenizer` file, its folder's tokenizer files are copied beside the weights."""
+    path = checkpoint_folder(src)
+    cfg = model_config(read_state(path), path)
+    expected = expected_tensors(cfg, with_optimizer=False)  # in state-dict order, which the shards follow
+    check_shapes(path, sharded_io.shapes(path), expected, "model")
+    dtypes = sharded_io.dtypes(path)
+
+    def read(name: str) -> torch.Tensor:  # DCP loads a subset of keys into tensors we allocate
+        key = f"model/{name}"
+        tensor = torch.empty(expected[key], dtype=dtypes[key])
+        sharded_io.load({key: sharded_io.whole(tensor)}, path, single_process=True)
+        return tensor
+
+    out = write_hf_folder(dst, cfg, {key.removeprefix("model/"): (shape, dtypes[key])
+                                     for key, shape in expected.items()}, read, max_shard_bytes)
+    if tokenizer != "byte" and Path(tokenizer).is_file():
+        copy_tokenizer(Path(tokenizer), Path(dst))
+    return out
+
+
