@@ -128,3 +128,22 @@ def make_chat_demo_inputs(root: Path) -> Path:
     prepare([str(demo / "conversations.jsonl")], tokenizer, str(demo / "chat"), workers=1, progress=False,
             chat=chat_settings(tokenizer, 128))
     return root
+
+
+# The layout tests' tiny shape (tests/layouts.py BASE) as a Qwen3 made by transformers, with room for
+# the tokenizer's 400 tokens: the starting folder (`model.init_from`) of the fine-tuning tests.
+QWEN3_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   intermediate_size=128, vocab_size=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                   max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+def make_qwen3_folder(folder: Path):
+    """A random tiny Qwen3ForCausalLM saved as a Hugging Face folder; returns the model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_SHAPE)).float()
+    model.save_pretrained(folder)
+    return model.eval()
+

@@ -8,7 +8,7 @@ import pytest
 from layouts import (TP_WEIGHT_ATOL, assert_same_run, reference, run_layouts, tiny_config, with_documents,
                      write_short_documents)
 from ranks import run_on_ranks
-from chat_data import prepare_folder
+from chat_data import make_qwen3_folder, prepare_folder
 from test_document_mask import METHODS, assert_document_ops_exact, document_op_errors
 
 from fivefold.config import ConfigError
@@ -40,8 +40,9 @@ BF16 = {"parallel": {"cp": 2, "dp": 2, "zero": 1}, "train": {"dtype": "bf16"}}
 # into updates of order lr. Losses and gradient norms keep 1e-5; weights get 3e-5.
 PP_ZBV = {"parallel": {"pp": 2, "cp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
           "train": {"micro_batch": 2}, "model": {"n_layers": 4}}
-# Packed conversations with a loss mask (issue 29: `fivefold prepare --chat` of tests/chat_data.py's
-# 200 conversations, bins of 64 tokens, a tokenizer of 400 tokens): the loss is the mean over
+# Fine-tuning a Qwen3 made by transformers (`model.init_from`) on packed conversations with a loss
+# mask (issue 29: `fivefold prepare --chat` of tests/chat_data.py's 200 conversations, bins of 64
+# tokens, a tokenizer of 400 tokens): the loss is the mean over
 # the trained tokens of the global batch, whichever micro-batch, dp rank, pipeline stage or cp rank
 # holds them (under cp a rank may hold no trained token of a sequence). The same four-rank spawn.
 SFT_LAYOUTS = [
@@ -99,12 +100,16 @@ def cp2_results(cp2_spawn):
 
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory):
-    return str(prepare_folder(tmp_path_factory.mktemp("chat"), seq_len=64))
+    """(the prepared conversations, a tiny Qwen3 folder made by transformers to start from)."""
+    root = tmp_path_factory.mktemp("chat")
+    make_qwen3_folder(root / "qwen3")
+    return str(prepare_folder(root, seq_len=64)), str(root / "qwen3")
 
 
-def chat_layout(layout: dict, folder: str) -> dict:
-    chat = with_documents(layout, folder, val_fraction=0.1)
-    return {**chat, "model": {"vocab_size": 512}, "train": {"seq_len": 64, **chat.get("train", {})}}
+def chat_layout(layout: dict, folders: tuple[str, str]) -> dict:
+    prepared, qwen3 = folders
+    chat = with_documents(layout, prepared, val_fraction=0.1)
+    return {**chat, "model": {"init_from": qwen3}, "train": {"seq_len": 64, **chat.get("train", {})}}
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,13 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from chat_data import END, prepare_folder  # noqa: E402
+from chat_data import END, make_qwen3_folder, prepare_folder  # noqa: E402
 from layouts import tiny_config  # noqa: E402
 
 from fivefold.config import ConfigError  # noqa: E402
 from fivefold.config.validate import validate  # noqa: E402
 
 SEQ = 64
-# The layout tests' tiny shape (tests/layouts.py) as a Qwen3 folder, with room for the 400 tokens.
-SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             intermediate_size=128, vocab_size=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-             max_position_embeddings=1024, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +31,8 @@ def chat_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE)).float()
     folder = tmp_path_factory.mktemp("hf_qwen3")
-    model.save_pretrained(folder)
-    return folder, model.eval()
+    return folder, make_qwen3_folder(folder)
 
 
 def sft_settings(folder, **train) -> dict:
