@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 import fivefold.train.trainer as trainer_module
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: cpu_roofline
+
 from fivefold.config import Config, load_config
 from fivefold.train.data import GlobalBatchSampler, load_splits
 from fivefold.train.trainer import train
@@ -179,6 +181,15 @@ def main(argv=None) -> None:
     print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, clock {clock_name}, dtype {dtype}, "
           f"model {json.dumps(model or args.preset)}, seq {args.seq_len}, batch {args.batch}", flush=True)
     result = compare(cfg, args.rounds, args.warmup, device, log=lambda s: print(s, flush=True))
+    if device.type == "cpu":  # the share of this core's own GEMM rate each loop reaches (cpu_roofline.py)
+        from cpu_roofline import DTYPES, cpu_mfu, roofline
+
+        peak, _ = roofline(cfg.model, args.batch * args.seq_len, DTYPES[dtype])
+        result["roofline_flops_per_s"] = peak
+        result["fivefold_cpu_mfu"] = cpu_mfu(cfg, result["fivefold_step_s"], peak)
+        result["transformers_cpu_mfu"] = cpu_mfu(cfg, result["transformers_step_s"], peak)
+        print(f"roofline {peak / 1e9:.1f} GFLOP/s (this core's fp32 GEMM rate at the model's matmuls); CPU MFU "
+              f"fivefold {result['fivefold_cpu_mfu']:.1%}, transformers {result['transformers_cpu_mfu']:.1%}")
     if args.json:
         print(json.dumps(result))
     print(f"fivefold {result['fivefold_tokens_per_sec']:.0f} tok/s, transformers "
