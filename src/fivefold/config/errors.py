@@ -7,3 +7,9 @@ sentence and exits, so no traceback reaches the user for a bad input.
 
 class ConfigError(ValueError):
     """A bad configuration, explained in one sentence."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise the one sentence `message` unless `ok`: the shape of every check of the config layer."""
+    if not ok:
+        raise ConfigError(message)

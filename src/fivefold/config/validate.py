@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from fivefold.config.checks import check_fields
-from fivefold.config.errors import ConfigError
+from fivefold.config.errors import ConfigError, require as _require
 from fivefold.config.families import FAMILIES
 from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, parse_layer_counts
 from fivefold.config.schema import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ParallelConfig, micro_batches  # noqa: F401
@@ -26,11 +26,6 @@ DIMS = ("pp", "dp", "cp", "tp")
 def _divisors(n: int) -> str:
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
     return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def _one_of(key: str, value: str, choices) -> None:

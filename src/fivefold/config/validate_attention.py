@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fivefold.config.errors import ConfigError
+from fivefold.config.errors import require as _require
 from fivefold.config.families import FAMILY_KEYS
 from fivefold.config.schema import Config, ModelConfig, MoEConfig
 
@@ -23,11 +23,6 @@ def _shown(value) -> str:
 
 def _defaults(cls) -> dict:
     return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def check_family_keys(cfg: Config) -> None:

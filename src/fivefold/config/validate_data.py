@@ -9,16 +9,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from fivefold.config.errors import ConfigError
+from fivefold.config.errors import ConfigError, require as _require
 from fivefold.config.manifest import read_manifest
 from fivefold.config.schema import Config
-
-
-def _require(ok: bool, message: str) -> None:
-    # config/validate.py has the same three lines: importing them from there would make the two modules
-    # import each other.
-    if not ok:
-        raise ConfigError(message)
 
 
 def parse_mix(mix: str) -> list[tuple[str, float]]:

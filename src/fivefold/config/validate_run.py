@@ -8,14 +8,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from fivefold.config.errors import ConfigError
+from fivefold.config.errors import ConfigError, require as _require
 from fivefold.config.schema import Config
-
-
-def _require(ok: bool, message: str) -> None:
-    # As in config/validate_data.py: config/validate.py imports this module, so not from there.
-    if not ok:
-        raise ConfigError(message)
 
 
 def check_checkpoint(cfg: Config) -> None:

@@ -1,8 +1,8 @@
 """FP8 training of the dense projections (train.fp8) through torchao's float8 recipes.
 
 Which modules: the ones the family's tensor-parallel plan lays out as Megatron's dense projections
-(`TP.COLUMN`, `TP.ROW_TO_SEQUENCE`, `TP.ROW_TO_TOKENS`: attention's q/k/v/o and a dense MLP's
-w1/w2/w3 in the decoder families), by path in each block. That is a role the ModelSpec already
+(`TP.COLUMN`, `TP.ROW_TO_SEQUENCE`, `TP.ROW_TO_TOKENS`: attention's four projections and a dense
+MLP's three in the decoder families), by path in each block. That is a role the ModelSpec already
 gives, so nothing here names a family's modules. The embedding, the output layer, norms, latent
 down-projections (their tp gradient is a partial sum), multi-token prediction's eh_proj and the
 MoE layers (router, routed and shared experts) stay in high precision: torchtitan's choice for

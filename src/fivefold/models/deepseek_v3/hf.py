@@ -23,7 +23,7 @@ import re
 from fivefold.config import ConfigError, ModelConfig, MoEConfig
 from fivefold.models.hf_adapter import NOTHING, HFAdapter
 from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
-from fivefold.models.llama.hf import DENSE_MLP_NAMES
+from fivefold.models.llama.hf import DENSE_MLP_NAMES, FRAME_NAMES
 
 # DeepseekV3Config's defaults of the keys below (transformers 5).
 DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
@@ -36,11 +36,7 @@ _ATTN = "model.layers.{layer}.self_attn"
 _MLP = "model.layers.{layer}.mlp"
 _OURS = "layers.{layer}.attention"
 NAMES = [
-    ("model.embed_tokens.weight", "tok_embeddings.weight"),
-    ("model.norm.weight", "norm.weight"),
-    ("lm_head.weight", "output.weight"),
-    ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attention_norm.weight"),
-    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.ffn_norm.weight"),
+    *FRAME_NAMES,
     *[(f"{_ATTN}.{m}.weight", f"{_OURS}.{m}.weight") for m in (
         "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
         "o_proj")],

@@ -19,6 +19,7 @@ from fivefold.config import ConfigError, ModelConfig, MoEConfig
 from fivefold.models.attention_layout import attention_window
 from fivefold.models.hf_adapter import HFAdapter, Part
 from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
+from fivefold.models.llama.hf import FRAME_NAMES
 from fivefold.models.moe_layout import is_moe_layer
 
 # GptOssConfig's defaults (transformers 5).
@@ -36,11 +37,7 @@ _MLP = "model.layers.{layer}.mlp"
 _OURS = "layers.{layer}.attention"
 _EXPERTS = "layers.{layer}.feed_forward.experts"
 NAMES = [
-    ("model.embed_tokens.weight", "tok_embeddings.weight"),
-    ("model.norm.weight", "norm.weight"),
-    ("lm_head.weight", "output.weight"),
-    ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attention_norm.weight"),
-    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.ffn_norm.weight"),
+    *FRAME_NAMES,
     *[(f"{_ATTN}.{theirs}_proj.{kind}", f"{_OURS}.w{ours}.{kind}") for theirs, ours in
       (("q", "q"), ("k", "k"), ("v", "v"), ("o", "o")) for kind in ("weight", "bias")],
     (f"{_ATTN}.sinks", f"{_OURS}.sinks.weight"),

@@ -8,17 +8,21 @@ from fivefold.config import ModelConfig
 from fivefold.models.hf_adapter import HFAdapter
 from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, refuse, refuse_moe
 
-# (Hugging Face name, our name) of every decoder family; `{layer}` stands for a layer index.
-ATTENTION_NAMES = [
+# (Hugging Face name, our name) of every decoder family; `{layer}` stands for a layer index. The
+# frame (embedding, final norm, output layer, the two norms of each block) is every family's; the
+# attention rows are those of the families with plain q/k/v/o projections.
+FRAME_NAMES = [
     ("model.embed_tokens.weight", "tok_embeddings.weight"),
     ("model.norm.weight", "norm.weight"),
     ("lm_head.weight", "output.weight"),
     ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.attention_norm.weight"),
+    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.ffn_norm.weight"),
+]
+ATTENTION_NAMES = FRAME_NAMES + [
     ("model.layers.{layer}.self_attn.q_proj.weight", "layers.{layer}.attention.wq.weight"),
     ("model.layers.{layer}.self_attn.k_proj.weight", "layers.{layer}.attention.wk.weight"),
     ("model.layers.{layer}.self_attn.v_proj.weight", "layers.{layer}.attention.wv.weight"),
     ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.attention.wo.weight"),
-    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.ffn_norm.weight"),
 ]
 DENSE_MLP_NAMES = [
     ("model.layers.{layer}.mlp.gate_proj.weight", "layers.{layer}.feed_forward.w1.weight"),
