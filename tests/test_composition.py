@@ -27,6 +27,9 @@ TRAIN = {"micro_batch": 1}
 QWEN3 = {"preset": "tiny-qwen3", "n_layers": 4}
 QWEN3_MOE = {"preset": "tiny-qwen3-moe", "n_layers": 4}
 DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_layers": 4, "n_kv_heads": 4}
+# gpt-oss (tests/test_hf_gpt_oss.py has each dimension alone): layers 0 and 2 slide over 16 keys of
+# the 32, so under cp2 the ring skips and trims blocks; sinks, biased attention and experts.
+GPT_OSS = {"preset": "tiny-gpt-oss", "n_layers": 4}
 # With tp, AdamW's m/sqrt(v) amplifies row-parallel reassociation on weights whose gradients nearly
 # cancel (TP_WEIGHT_ATOL of tests/layouts.py; measured ~6e-5 on 8 layers); the same here.
 SCHEDULE_VIRTUAL = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
@@ -64,6 +67,7 @@ FULL = [
     layout(QWEN3, dp=2, zero=1, tp=2, pp=2, cp=2, method="ulysses", seed=5),
     layout(QWEN3_MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, seed=5),
     layout(DEEPSEEK_V3, dp=2, zero=3, tp=2, pp=2, cp=2, method="allgather", ep=2),
+    layout(GPT_OSS, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, seed=5),
 ]
 # Checked against the fp32 reference within 2% (bf16 keeps 8 mantissa bits) rather than 1e-5.
 BF16 = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, dtype="bf16")

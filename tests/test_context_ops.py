@@ -1,4 +1,6 @@
-"""Context-parallel attention against full single-device causal SDPA: outputs and dq/dk/dv.
+"""Context-parallel attention against full single-device causal SDPA: outputs and dq/dk/dv; with
+sliding windows, attention sinks and documents against the model's masked attention
+(tests/window_ops.py), the blocks outside the window skipped.
 
 Each rank builds the same whole q/k/v/dout (seeded), keeps its load-balanced share, runs one
 method over the cp group and compares its share of the output and gradients with the same share
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from attention_inputs import attention_inputs
 from ranks import run_on_ranks
+from window_ops import CASES as WINDOW_CASES, assert_window_ops_exact, window_op_errors
 
 from fivefold.parallel.context import blocks as attention_blocks
 from fivefold.parallel.context.apply import SequenceSplit, local_positions
@@ -59,14 +62,29 @@ def _cases(cp):
     return [(m, s) for m in METHODS for s in SHAPES if m != "ulysses" or s[1] % cp == 0]
 
 
-@pytest.fixture(scope="module")
-def cp2_errors():
-    return run_on_ranks(2, _errors_on_rank, _cases(2))
+def _rank_errors(cases):
+    """Full causal attention's errors, then sliding windows' and sinks' (tests/window_ops.py)."""
+    return _errors_on_rank(cases), window_op_errors()
 
 
 @pytest.fixture(scope="module")
-def cp4_errors():
-    return run_on_ranks(4, _errors_on_rank, _cases(4))
+def cp2_spawn():
+    return run_on_ranks(2, _rank_errors, _cases(2))
+
+
+@pytest.fixture(scope="module")
+def cp4_spawn():
+    return run_on_ranks(4, _rank_errors, _cases(4))
+
+
+@pytest.fixture(scope="module")
+def cp2_errors(cp2_spawn):
+    return [errors for errors, _ in cp2_spawn]
+
+
+@pytest.fixture(scope="module")
+def cp4_errors(cp4_spawn):
+    return [errors for errors, _ in cp4_spawn]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -77,6 +95,112 @@ def test_matches_sdpa_cp2(cp2_errors, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_matches_sdpa_cp4(cp4_errors, method):
     _assert_small(cp4_errors, method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_windows_and_sinks_cp2(cp2_spawn, method):
+    assert_window_ops_exact([windows for _, windows in cp2_spawn], method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_windows_and_sinks_cp4(cp4_spawn, method):
+    assert_window_ops_exact([windows for _, windows in cp4_spawn], method)
+
+
+def _chunk_pairs_outside(window: int, chunk: int, query_chunks, key_chunks) -> int:
+    """Pairs of a query chunk and an earlier (or the same) key chunk no query of which sees a key
+    of, counted position by position."""
+    outside = 0
+    for qc in query_chunks:
+        for kc in key_chunks:
+            if kc > qc:
+                continue
+            gaps = [p - r for p in range(qc * chunk, (qc + 1) * chunk) for r in range(kc * chunk, (kc + 1) * chunk)]
+            outside += not any(0 <= gap < window for gap in gaps)
+    return outside
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_blocks_outside_the_window_are_skipped_not_computed(cp2_spawn, cp4_spawn, cp):
+    """The blocks each rank skipped equal the chunk pairs the window hides entirely (ring: every
+    rank's chunks against every rank's; all-gather: against the gathered sequence), and the
+    skipped ones are not computed: computed + skipped = every chunk pair at or before its queries."""
+    per_rank = {2: cp2_spawn, 4: cp4_spawn}[cp]
+    for index, (shape, window, _, starts) in enumerate(WINDOW_CASES):
+        chunk = shape[3] // (2 * cp)
+        if not window or starts is not None or shape[3] % (2 * cp):
+            continue
+        for rank, (_, (_, counts)) in enumerate(per_rank):
+            mine = (rank, 2 * cp - 1 - rank)
+            want = _chunk_pairs_outside(window, chunk, mine, range(2 * cp))
+            pairs = sum(kc <= qc for qc in mine for kc in range(2 * cp))
+            for method in ("ring", "allgather"):
+                got = counts[(method, index)]
+                assert got.get("outside_window", 0) == want, (method, index, rank, got, want)
+                assert got["computed"] + got.get("outside_window", 0) == pairs, (method, index, rank, got)
+    # Some steps compute nothing at all: at cp4 with a 4-token window, rank 0 (chunks 0 and 7)
+    # sees only its own chunks and chunk 6 (rank 1): the steps with ranks 2 and 3 are skipped whole.
+    from fivefold.parallel.context.ring import ring_step_blocks
+    from fivefold.parallel.context.windows import trim_to_window
+
+    for src, computed in ((0, 2), (3, 0), (2, 0), (1, 1)):
+        kept = [b for b in ring_step_blocks(0, src, 4, 4, 4) if trim_to_window(b, 4)[0] is not None]
+        assert len(kept) == computed, (src, kept)
+
+
+def test_window_trim_keeps_exactly_the_visible_pairs():
+    """For blocks at every offset and windows of every size, the trimmed block with its mask
+    shows exactly the pairs the window allows, and every pair it cuts off is hidden."""
+    from fivefold.parallel.context.windows import Block, trim_to_window
+
+    for window in range(1, 12):
+        for n_rows, n_cols in ((4, 4), (3, 5), (6, 2)):
+            for gap in range(0, 14):  # keys end `gap` positions before the first query
+                q_start, k_start = 20, 20 - gap - n_cols
+                block = Block(slice(2, 2 + n_rows), slice(1, 1 + n_cols), False, q_start, k_start)
+                i = torch.arange(q_start, q_start + n_rows)[:, None]
+                j = torch.arange(k_start, k_start + n_cols)[None, :]
+                want = (i - j < window) & (j <= i)
+                trimmed, mask = trim_to_window(block, window)
+                if trimmed is None:
+                    assert not want.any(), (window, gap)
+                    continue
+                rows = slice(trimmed.rows.start - 2, trimmed.rows.stop - 2)
+                cols = slice(trimmed.cols.start - 1, trimmed.cols.stop - 1)
+                shown = torch.zeros_like(want)
+                shown[rows, cols] = True if mask is None else mask[0]
+                assert torch.equal(shown, want), (window, n_rows, n_cols, gap)
+                assert trimmed.k_start == k_start + cols.start
+            causal = Block(slice(0, 5), slice(0, 5), True, 8, 8)
+            _, mask = trim_to_window(causal, window)
+            band = torch.ones(5, 5, dtype=torch.bool).tril() & ~torch.ones(5, 5, dtype=torch.bool).tril(-window)
+            assert (mask is None and window >= 5) or torch.equal(mask[0], band), window
+
+
+@pytest.mark.parametrize("window, chunk", [(4, 8), (8, 4), (16, 16), (32, 16), (48, 32), (64, 16), (3, 6)])
+def test_window_tiles_cover_each_visible_pair_once(window, chunk):
+    """The unmasked tiles of a chunk-pair block (same chunk, the chunks before it) show each
+    window-visible pair exactly once and nothing else, mirrored tiles read as their mask says."""
+    from fivefold.parallel.context.windows import Block, window_tiles
+
+    q_index = 5
+    for k_index in range(q_index + 1):
+        block = Block(slice(chunk, 2 * chunk), slice(3, 3 + chunk), k_index == q_index,
+                      q_index * chunk, k_index * chunk)
+        tiles = window_tiles(block, window)
+        assert tiles is not None
+        i = torch.arange(block.q_start, block.q_start + chunk)[:, None]
+        j = torch.arange(block.k_start, block.k_start + chunk)[None, :]
+        want = ((i - j < window) & (j <= i)).int()
+        shown = torch.zeros_like(want)
+        for tile in tiles:
+            n_rows, n_cols = tile.rows.stop - tile.rows.start, tile.cols.stop - tile.cols.start
+            a, b = torch.arange(n_rows)[:, None], torch.arange(n_cols)[None, :]
+            seen = (b >= a) if tile.mirrored else (b <= a) if tile.causal else torch.ones(n_rows, n_cols, dtype=torch.bool)
+            assert tile.q_start - block.q_start == tile.rows.start - block.rows.start
+            shown[tile.rows.start - chunk:tile.rows.stop - chunk, tile.cols.start - 3:tile.cols.stop - 3] += seen.int()
+        assert torch.equal(shown, want), (window, chunk, k_index)
+    assert window_tiles(Block(slice(0, 24), slice(0, 24), True, 24, 24), 9) is None  # gcd 3: masked instead
 
 
 def _assert_small(per_rank, method):

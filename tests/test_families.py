@@ -11,8 +11,8 @@ and of MLA's latent projections are partial sums over the heads of each tp rank)
 zbv), cp2 ring / all-gather / Ulysses, and ep2 for the MoE families, all in one group of 2 ranks.
 Then checkpoints reshard: a dp2·zero1 run saves at step 3, runs under tp2, pp2, zero 3 and (MoE)
 ep2 resume from it and must continue with the uninterrupted run's losses. (Llama and Mixtral have
-these tests in the per-dimension modules; the 16-rank dp2·tp2·pp2·cp2(·ep2) layout of each family
-is in test_composition.py.)
+these tests in the per-dimension modules, gpt-oss in test_hf_gpt_oss.py; the 16-rank
+dp2·tp2·pp2·cp2(·ep2) layout of each family is in test_composition.py.)
 """
 
 import pytest

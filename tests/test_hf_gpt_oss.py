@@ -225,9 +225,6 @@ GPT_OSS = ["--model.preset", "tiny-gpt-oss", "--train.seq_len", "32", "--train.g
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    ([*GPT_OSS, "--parallel.cp", "2"], "parallel.cp=2 with model.sliding_window=16 is not yet available"),
-    ([*GPT_OSS, "--parallel.cp", "2", "--model.sliding_window", "0", "--model.full_attention_every", "0"],
-     "parallel.cp=2 with model.attention_sinks=true is not yet available"),
     (["--model.attention_sinks", "true"], "model.attention_sinks=true is implemented by model.family gpt_oss only "
      "(model.family=llama); remove it"),
     (["--model.preset", "tiny-moe", "--model.moe.projection_bias", "true"],
@@ -323,36 +320,57 @@ def test_planner_counts_the_published_sizes_and_windowed_flops(capsys):
 
 MODEL = {"preset": "tiny-gpt-oss", "n_layers": 2}  # layer 0 slides (16 keys of 32), layer 1 does not
 TRAIN = {"micro_batch": 1, "seed": 5}
+DOCUMENTS = {"document_mask": True}  # on the short documents of tests/layouts.py, filled in below
+# name: (parallel, train, model changes, data). Under cp2 each rank holds chunks of 8 tokens: the
+# 16-token window hides chunk 0 from chunk 3 entirely (that block is skipped) and crosses the others.
 LAYOUTS = {
-    "tp2 sp": ({"tp": 2, "sp": True}, {}),  # q/k/v biases and the sinks split by heads, wo's bias partial
-    "tp2 no-sp selective": ({"tp": 2, "sp": False}, {"recompute": "selective"}),
-    "dp2 ep2": ({"dp": 2, "ep": 2}, {}),  # expert biases split with their experts
-    "tp2 ep2": ({"tp": 2, "ep": 2}, {}),
-    "pp2 1f1b": ({"pp": 2, "pp_schedule": "1f1b"}, {}),
-    "dp2 z3 full": ({"dp": 2, "zero": 3}, {"recompute": "full"}),
+    "tp2 sp": ({"tp": 2, "sp": True}, {}, {}, {}),  # q/k/v biases and the sinks split by heads, wo's bias partial
+    "tp2 no-sp selective": ({"tp": 2, "sp": False}, {"recompute": "selective"}, {}, {}),
+    "dp2 ep2": ({"dp": 2, "ep": 2}, {}, {}, {}),  # expert biases split with their experts
+    "tp2 ep2": ({"tp": 2, "ep": 2}, {}, {}, {}),
+    "pp2 1f1b": ({"pp": 2, "pp_schedule": "1f1b"}, {}, {}, {}),
+    # The V schedule: 4 layers, each rank its first and last stage (layers 0, 3 and 1, 2).
+    "pp2 zbv": ({"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2}, {"micro_batch": 2}, {"n_layers": 4}, {}),
+    "dp2 z3 full": ({"dp": 2, "zero": 3}, {"recompute": "full"}, {}, {}),
+    "cp2 ring": ({"cp": 2}, {}, {}, {}),  # windows skipped and trimmed, sinks merged once
+    "cp2 allgather selective": ({"cp": 2, "cp_method": "allgather"}, {"recompute": "selective"}, {}, {}),
+    "cp2 ulysses": ({"cp": 2, "cp_method": "ulysses"}, {}, {}, {}),
+    "cp2 ring documents": ({"cp": 2}, {}, {}, DOCUMENTS),
 }
 
 
-def _on_two_ranks() -> dict:
+def _setting(name: str, source: str) -> dict:
+    parallel, train, model, data = LAYOUTS[name]
+    data = {**data, "source": source} if data else {}
+    return {"model": {**MODEL, **model}, "parallel": parallel, "train": {**TRAIN, **train}, "data": data}
+
+
+def _on_two_ranks(settings: dict) -> dict:
     from layouts import run_layout
 
-    return {name: run_layout({"model": MODEL, "parallel": parallel, "train": {**TRAIN, **train}})
-            for name, (parallel, train) in LAYOUTS.items()}
+    return {name: run_layout(setting) for name, setting in settings.items()}
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs():
+def document_source(tmp_path_factory):
+    from layouts import write_short_documents
+
+    return write_short_documents(tmp_path_factory.mktemp("documents") / "short.jsonl")
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(document_source):
     from ranks import run_on_ranks
 
-    return run_on_ranks(2, _on_two_ranks)
+    return run_on_ranks(2, _on_two_ranks, {name: _setting(name, document_source) for name in LAYOUTS})
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_equals_one_process(two_rank_runs, name):
+def test_layout_equals_one_process(two_rank_runs, document_source, name):
     from layouts import TP_WEIGHT_ATOL, WEIGHT_ATOL, assert_same_run, reference
 
-    parallel, train = LAYOUTS[name]
-    want = reference({"model": MODEL, "train": {**TRAIN, **train}})
+    setting = _setting(name, document_source)
+    want = reference({key: value for key, value in setting.items() if key != "parallel"})
     for rank, runs in enumerate(two_rank_runs):
-        atol = TP_WEIGHT_ATOL if parallel.get("tp", 1) > 1 else WEIGHT_ATOL
+        atol = TP_WEIGHT_ATOL if setting["parallel"].get("tp", 1) > 1 else WEIGHT_ATOL
         assert_same_run(runs[name], want, weight_atol=atol, label=f"gpt_oss {name} rank {rank}")

@@ -1,9 +1,7 @@
 """Checks of the model keys only some families implement (config/families.py `FAMILY_KEYS`) and of
-what sliding windows and attention sinks cannot do yet, each one sentence as in config/validate.py,
-whose model checks call `check_family_keys` first.
-
-Context parallelism (parallel/context/) computes full causal attention without sinks: a config
-asking it for either is refused, never run with the window or the sinks silently dropped.
+how sliding windows, sinks, YaRN and the clamped SwiGLU combine, each one sentence as in
+config/validate.py, whose model checks call `check_family_keys` first. Every attention path,
+context-parallel ones included, implements windows and sinks.
 """
 
 from __future__ import annotations
@@ -53,9 +51,3 @@ def check_family_keys(cfg: Config) -> None:
         _require(m.full_attention_every > 1, f"model.full_attention_every=1 makes every layer full attention, "
                  f"so model.sliding_window={m.sliding_window} does nothing; set model.sliding_window=0, or "
                  "model.full_attention_every to 0 (every layer slides) or 2 or more")
-    p = cfg.parallel
-    if p.cp > 1:
-        _require(not m.sliding_window, f"parallel.cp={p.cp} with model.sliding_window={m.sliding_window} is not "
-                 "yet available (context-parallel attention is full causal); set parallel.cp=1")
-        _require(not m.attention_sinks, f"parallel.cp={p.cp} with model.attention_sinks=true is not yet "
-                 "available (context-parallel attention has no sinks); set parallel.cp=1")

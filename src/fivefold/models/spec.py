@@ -76,7 +76,8 @@ class ModelSpec:
     block_plan: Callable[[ModelConfig, int], dict[str, str]]
     # ... of the modules outside the blocks, by path in the model.
     root_plan: dict[str, str]
-    # Path inside a block of the attention core that context parallelism replaces.
+    # Path inside a block of the attention core that context parallelism replaces. The core is
+    # called as core(q, k, v, documents[, sinks]) and may carry `window` (its sliding window, 0: none).
     attention_core: str
     # Modules only the first / the last pipeline stage keeps (set to None elsewhere).
     first_stage: tuple[str, ...]

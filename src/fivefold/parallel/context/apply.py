@@ -8,12 +8,14 @@ per-rank mean losses over dp×cp is the mean over the global batch.
 
 Attention is the only layer that mixes tokens: each block's parameter-free attention core (the
 family's ModelSpec.attention_core) is replaced by `ContextParallelAttention`, which runs one of three exact methods over the cp group:
-ring (parallel/context/ring.py), all-gather or Ulysses (parallel/context/gathered.py).
+ring (parallel/context/ring.py), all-gather or Ulysses (parallel/context/gathered.py), each
+with the replaced core's sliding window and the attention sinks (parallel/context/windows.py).
 """
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -140,27 +142,31 @@ class SequencePieces:
 
 class ContextParallelAttention(nn.Module):
     """Causal attention of this rank's queries against the whole (cp-split) sequence; q, k, v are
-    (batch, heads, local_seq, head_dim) in the load-balanced layout, k/v possibly with fewer heads."""
+    (batch, heads, local_seq, head_dim) in the load-balanced layout, k/v possibly with fewer heads.
+    `window`: the keys a query sees at most (0: every earlier one), the replaced core's own.
+    `blocks` counts the attention blocks computed and skipped (parallel/context/windows.py)."""
 
-    def __init__(self, group, method: str):
+    def __init__(self, group, method: str, window: int = 0):
         super().__init__()
         from fivefold.parallel.context.gathered import allgather_attention, ulysses_attention
         from fivefold.parallel.context.ring import ring_attention
 
         methods = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
-        self.group, self.method = group, method
+        self.group, self.method, self.window = group, method, window
         self._attend = methods[method]
+        self.blocks: Counter = Counter()
 
     @torch.compiler.disable  # point-to-point sends and custom autograd: leave them out of graphs
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """`documents` (batch, local_seq): each local token's document id (document masking)."""
+                documents: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents` (batch, local_seq): each local token's document id (document masking);
+        `sinks` (heads,): the heads' sink logits, or None."""
         # The block math accumulates in fp32 itself; under bf16 autocast its matmuls would not.
         with torch.autocast(q.device.type, enabled=False):
-            return self._attend(q, k, v, self.group, documents)
+            return self._attend(q, k, v, self.group, documents, self.window, sinks, self.blocks)
 
     def extra_repr(self) -> str:
-        return f"method={self.method}"
+        return f"method={self.method}" + (f", window={self.window}" if self.window else "")
 
 
 def apply_context_parallel(model: nn.Module, attention_core: str, cp_mesh, method: str) -> None:
@@ -174,7 +180,9 @@ def apply_context_parallel(model: nn.Module, attention_core: str, cp_mesh, metho
     group = cp_mesh.get_group()
     pieces = SequencePieces(group, cp_mesh.get_local_rank(), cp_mesh.size())
     for block in model.layers.values():
-        block.set_submodule(attention_core, ContextParallelAttention(group, method))
+        # A core with a sliding window says so in `window` (models/decoder.py CausalAttention).
+        window = getattr(block.get_submodule(attention_core), "window", 0)
+        block.set_submodule(attention_core, ContextParallelAttention(group, method, window))
     for moe in moe_layers(model):
         # Differentiable: backward sums the gradient over the cp ranks too; with gradients then
         # averaged over dp·cp, each token's router gradient comes out as in one process.

@@ -130,7 +130,6 @@ def _tile_scores(q_tile, k, start: int, stop: int, causal: bool, scale: float, m
 
 def _math_forward(q, k, v, causal, scale, mask=None):
     qg, kg, vg = _grouped(q, k, v)
-    lq = q.shape[2]
     out = torch.empty(qg.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
     lse = torch.empty(qg.shape[:-1], dtype=torch.float32, device=q.device)
     for start, stop in _row_tiles(qg, k.shape[2]):

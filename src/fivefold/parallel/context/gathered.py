@@ -9,6 +9,10 @@
 Document masking: both all-gather the document ids of the whole sequence (a few bytes per token).
 All-gather masks each block of its local queries against the gathered keys and skips blocks no
 query may see; Ulysses runs the model's own document-masked attention on the whole sequence.
+
+Sliding windows and sinks: all-gather skips and trims its blocks by the window and folds the sinks
+into the merged log-sum-exp once (parallel/context/windows.py); Ulysses hands both to the model's
+masked attention (models/masked_attention.py), each rank its heads' sinks.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fivefold.models.documents import document_attention
-from fivefold.parallel.context.blocks import block_backward, block_forward, document_block, merge_rows
+from fivefold.models.masked_attention import masked_attention
+from fivefold.parallel.context.blocks import merge_rows
 from fivefold.parallel.context.apply import gathered_chunk_order, local_positions
 from fivefold.parallel.context.ring import gather_documents, pack_kv
+from fivefold.parallel.context.windows import (Block, add_sinks, chunk_blocks, part_backward, part_forward, sink_grad,
+                                               visible_parts)
 
 # torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -64,85 +71,83 @@ def _scatter_kv_grads(dkv_whole: torch.Tensor, group) -> torch.Tensor:
     return mine
 
 
-def _allgather_blocks(rank: int, cp: int, chunk: int):
-    """(query rows, key columns, causal) of each block: each local chunk sees every earlier key
-    fully and its own chunk causally; keys after it are never touched."""
+def _allgather_blocks(rank: int, cp: int, chunk: int, window: int) -> list[Block]:
+    """This rank's blocks: each local chunk sees every earlier key fully and its own chunk
+    causally; keys after it are never touched. With a window, a block per pair of chunks (with
+    positions), so that the window can skip and trim each."""
+    mine = [(0, rank), (chunk, 2 * cp - 1 - rank)]
+    if window:
+        return chunk_blocks(mine, [(c * chunk, c) for c in range(2 * cp)], chunk)
     blocks = []
-    for half, index in enumerate((rank, 2 * cp - 1 - rank)):
-        rows, start = slice(half * chunk, (half + 1) * chunk), index * chunk
-        blocks.append((rows, slice(start, start + chunk), True))
+    for row, index in mine:
+        rows, start = slice(row, row + chunk), index * chunk
+        blocks.append(Block(rows, slice(start, start + chunk), True))
         if start > 0:
-            blocks.append((rows, slice(0, start), False))
+            blocks.append(Block(rows, slice(0, start), False))
     return blocks
 
 
-def _masked_block(documents, whole, rows: slice, cols: slice, causal: bool):
-    """(visible, mask) of a block of local query rows against gathered key columns."""
-    if documents is None:
-        return True, None
-    return document_block(documents[:, rows], whole[:, cols], causal)
+def _visible_blocks(rank, cp, q, window, documents, whole, counts=None):
+    """(part, mask) of each part of this rank's work that some query sees."""
+    for block in _allgather_blocks(rank, cp, q.shape[2] // 2, window):
+        yield from visible_parts(block, window, q.device, documents, whole, counts)
 
 
-def allgather_forward(q, k, v, group, documents=None, whole=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output in q's dtype, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence;
+def allgather_forward(q, k, v, group, documents=None, whole=None, window: int = 0,
+                      counts=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output fp32, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence;
     `documents` (b, L) this rank's document ids, `whole` the sequence's (`_sequence_documents`)."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5
     kv, d = _gather_kv(k, v, group), k.shape[-1]
-    out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
-        visible, mask = _masked_block(documents, whole, rows, cols, causal)
-        if not visible:  # never a causal block: each query sees itself
-            continue
-        block_out, block_lse = block_forward(q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
-                                             causal, scale, mask)
-        if causal:  # listed first for its rows: it starts them
-            out[:, :, rows], lse[:, :, rows] = block_out, block_lse
-        else:
-            merge_rows(out, lse, rows, block_out, block_lse)
-    return out.to(q.dtype), lse
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    for part, mask in _visible_blocks(rank, cp, q, window, documents, whole, counts):
+        block_out, block_lse = part_forward(q, kv[..., :d], kv[..., d:], part, scale, mask)
+        merge_rows(out, lse, part.rows, block_out, block_lse)
+    return out, lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, group, documents=None, whole=None):
+def allgather_backward(dout, q, k, v, out, lse, group, documents=None, whole=None, window: int = 0):
     """(dq, dk, dv) of this rank's q, k, v, given the final output and LSE of its queries."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5
     kv, d = _gather_kv(k, v, group), k.shape[-1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-    for rows, cols, causal in _allgather_blocks(rank, cp, q.shape[2] // 2):
-        visible, mask = _masked_block(documents, whole, rows, cols, causal)
-        if not visible:
-            continue
-        dq_block, dk_block, dv_block = block_backward(
-            dout[:, :, rows], q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
-            out[:, :, rows], lse[:, :, rows], causal, scale, mask)
-        dq[:, :, rows] += dq_block
-        dkv[..., cols, :d] += dk_block
-        dkv[..., cols, d:] += dv_block
+    for part, mask in _visible_blocks(rank, cp, q, window, documents, whole):
+        dq_block, dk_block, dv_block = part_backward(dout, q, kv[..., :d], kv[..., d:], out, lse, part, scale, mask)
+        dq[:, :, part.rows] += dq_block
+        dkv[..., part.cols, :d] += dk_block
+        dkv[..., part.cols, d:] += dv_block
     mine = _scatter_kv_grads(dkv, group)
     return dq.to(q.dtype), mine[..., :d].to(k.dtype), mine[..., d:].to(v.dtype)
 
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, documents):
+    def forward(ctx, q, k, v, sinks, group, documents, window, counts):
         whole = None if documents is None else _sequence_documents(documents, group)
-        out, lse = allgather_forward(q, k, v, group, documents, whole)
-        ctx.group, ctx.documents, ctx.whole = group, documents, whole
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = allgather_forward(q, k, v, group, documents, whole, window, counts)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.group, ctx.documents, ctx.whole, ctx.window = group, documents, whole, window
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        grads = allgather_backward(dout, *ctx.saved_tensors, ctx.group, ctx.documents, ctx.whole)
-        return *grads, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, ctx.group, ctx.documents, ctx.whole, ctx.window)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
-def allgather_attention(q, k, v, group, documents=None) -> torch.Tensor:
-    """`documents` (b, L): this rank's tokens' document ids, to keep attention inside documents."""
-    return AllGatherAttention.apply(q, k, v, group, documents)
+def allgather_attention(q, k, v, group, documents=None, window: int = 0, sinks=None, counts=None) -> torch.Tensor:
+    """`documents` (b, L): this rank's tokens' document ids, to keep attention inside documents;
+    `window`, `sinks` and `counts` as in ring.py's ring_attention."""
+    return AllGatherAttention.apply(q, k, v, sinks, group, documents, window, counts)
 
 
 # ---- Ulysses -------------------------------------------------------------------------------------
@@ -189,9 +194,11 @@ class HeadsToSequence(torch.autograd.Function):
         return _sequence_to_heads(grad.contiguous(), ctx.group), None
 
 
-def ulysses_attention(q, k, v, group, documents=None) -> torch.Tensor:
+def ulysses_attention(q, k, v, group, documents=None, window: int = 0, sinks=None, counts=None) -> torch.Tensor:
+    """Every rank attends the whole sequence with cp-th of the heads: the window and the sinks
+    (of its heads) go to the model's own masked attention; `counts` is unused (no blocks)."""
     cp = dist.get_world_size(group)
-    heads, kv_heads, local_len = q.shape[1], k.shape[1], q.shape[2]
+    kv_heads, local_len = k.shape[1], q.shape[2]
     # Each rank gets heads/cp query heads and must get the kv heads they use: with fewer kv heads
     # than cp, repeat each just enough (lcm(kv_heads, cp) divides heads, which cp divides).
     repeat = math.lcm(kv_heads, cp) // kv_heads
@@ -211,9 +218,13 @@ def ulysses_attention(q, k, v, group, documents=None) -> torch.Tensor:
     slot_positions = torch.cat([local_positions(r, cp, local_len, q.device) for r in range(cp)])
     in_order = slot_positions.argsort()
     q, k, v = (t.index_select(2, in_order) for t in (q, k, v))
-    if documents is None:
+    whole = None if documents is None else _sequence_documents(documents, group)
+    if window or sinks is not None:  # this rank's query heads are head group `rank` of the sinks
+        mine = None if sinks is None else sinks.unflatten(0, (cp, -1))[dist.get_rank(group)]
+        out = masked_attention(q, k, v, window, whole, mine)
+    elif documents is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     else:  # every rank holds the whole sequence (for its heads): the whole sequence's mask
-        out = document_attention(q, k, v, _sequence_documents(documents, group))
+        out = document_attention(q, k, v, whole)
     out = out.index_select(2, slot_positions)  # back to slot order
     return HeadsToSequence.apply(out.contiguous(), group)

@@ -19,6 +19,10 @@ Document masking: every rank all-gathers the document ids of the whole sequence 
 (a few bytes per token) and masks each block by its rows' and columns' ids
 (attention_blocks.document_block); a block no query of which may see is skipped, though its K/V
 and gradient still travel so that every rank runs the same ring.
+
+Sliding windows and sinks (parallel/context/windows.py): with a window each step's work is a block
+per pair of chunks, skipped when it lies outside the window and trimmed where it crosses it; the
+sinks join the merged log-sum-exp once, after the ring.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fivefold.parallel.context.blocks import block_backward, block_forward, document_block, merge_rows
+from fivefold.parallel.context.blocks import merge_rows
+from fivefold.parallel.context.windows import (Block, add_sinks, chunk_blocks, part_backward, part_forward, sink_grad,
+                                               visible_parts)
 
 _KV_TAG, _GRAD_TAG = 0, 1  # gloo matches messages by tag; NCCL by issue order (the same on all ranks)
 
@@ -80,60 +86,71 @@ def ring_block(rank: int, src: int, half: int) -> tuple[slice, slice, bool]:
     return slice(half, None), slice(None), False
 
 
-def _masked_block(documents, by_rank, src: int, rows: slice, cols: slice, causal: bool):
-    """(visible, mask) of this rank's block against rank `src`'s keys; (True, None) unmasked."""
-    if documents is None:
-        return True, None
-    return document_block(documents[:, rows], by_rank[src][:, cols], causal)
+def ring_step_blocks(rank: int, src: int, cp: int, half: int, window: int) -> list[Block]:
+    """This rank's blocks against rank `src`'s K/V: one (`ring_block`) without a window; with one,
+    a block per pair of chunks, with positions, so that the window can skip and trim each."""
+    if not window:
+        return [Block(*ring_block(rank, src, half))]
+    return chunk_blocks([(0, rank), (half, 2 * cp - 1 - rank)], [(0, src), (half, 2 * cp - 1 - src)], half)
 
 
-def ring_forward(q, k, v, group, documents=None, by_rank=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output in q's dtype, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence;
+class _Visibility:
+    """The visible part of each block of a call: the window, and the document ids of this rank's
+    rows and of every rank's keys (`gather_documents`) when documents are masked."""
+
+    def __init__(self, window, documents, by_rank, device, counts):
+        self.window, self.documents, self.by_rank, self.device, self.counts = window, documents, by_rank, device, counts
+
+    def __call__(self, block: Block, src: int):
+        keys = None if self.documents is None else self.by_rank[src]
+        return visible_parts(block, self.window, self.device, self.documents, keys, self.counts)
+
+
+def ring_forward(q, k, v, group, documents=None, by_rank=None, window: int = 0,
+                 counts=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output fp32, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence;
     `documents` (b, L) this rank's document ids, `by_rank` every rank's (gather_documents)."""
     ring = Ring(group)
     scale = q.shape[-1] ** -0.5
     half = q.shape[2] // 2
+    visible = _Visibility(window, documents, by_rank, q.device, counts)
     kv, d = pack_kv(k, v), k.shape[-1]  # one message per step
-    out = lse = None
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     for step in range(ring.size):
         incoming = ring.pass_along(kv, _KV_TAG) if step < ring.size - 1 else None
         src = (ring.rank - step) % ring.size
-        rows, cols, causal = ring_block(ring.rank, src, half)
-        visible, mask = _masked_block(documents, by_rank, src, rows, cols, causal)
-        if visible:  # step 0's block, the local causal one, always is: each query sees itself
-            block_out, block_lse = block_forward(q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
-                                                 causal, scale, mask)
-            if out is None:  # step 0, the local causal block, covers every row
-                out, lse = block_out, block_lse
-            else:
-                merge_rows(out, lse, rows, block_out, block_lse)
+        for block in ring_step_blocks(ring.rank, src, ring.size, half, window):
+            # No part when nothing of it is seen: not computed (step 0's causal block always is).
+            for part, mask in visible(block, src):
+                block_out, block_lse = part_forward(q, kv[..., :d], kv[..., d:], part, scale, mask)
+                merge_rows(out, lse, part.rows, block_out, block_lse)
         if incoming is not None:
             kv = incoming.wait()
-    return out.to(q.dtype), lse
+    return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, group, documents=None, by_rank=None):
+def ring_backward(dout, q, k, v, out, lse, group, documents=None, by_rank=None, window: int = 0):
     """(dq, dk, dv) of this rank's q, k, v, given the final output and LSE of its queries."""
     ring = Ring(group)
     scale = q.shape[-1] ** -0.5
     half = q.shape[2] // 2
+    visible = _Visibility(window, documents, by_rank, q.device, None)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv, d = pack_kv(k, v), k.shape[-1]
     grads_in_flight = None
     for step in range(ring.size):
         incoming = ring.pass_along(kv, _KV_TAG) if step < ring.size - 1 else None
         src = (ring.rank - step) % ring.size
-        rows, cols, causal = ring_block(ring.rank, src, half)
-        visible, mask = _masked_block(documents, by_rank, src, rows, cols, causal)
         # fp32 on the wire: the sum over cp ranks is an accumulation like dq's.
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        if visible:
-            dq_block, dk_block, dv_block = block_backward(
-                dout[:, :, rows], q[:, :, rows], kv[..., cols, :d], kv[..., cols, d:],
-                out[:, :, rows], lse[:, :, rows], causal, scale, mask)
-            dq[:, :, rows] += dq_block
-            dkv[..., cols, :d] = dk_block
-            dkv[..., cols, d:] = dv_block
+        for block in ring_step_blocks(ring.rank, src, ring.size, half, window):
+            for part, mask in visible(block, src):
+                dq_block, dk_block, dv_block = part_backward(dout, q, kv[..., :d], kv[..., d:], out, lse,
+                                                             part, scale, mask)
+                dq[:, :, part.rows] += dq_block
+                dkv[..., part.cols, :d] += dk_block
+                dkv[..., part.cols, d:] += dv_block
         if grads_in_flight is not None:  # the previous ranks' part for this same block
             dkv += grads_in_flight.wait()
         grads_in_flight = ring.pass_along(dkv, _GRAD_TAG)
@@ -145,18 +162,26 @@ def ring_backward(dout, q, k, v, out, lse, group, documents=None, by_rank=None):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, documents):
+    def forward(ctx, q, k, v, sinks, group, documents, window, counts):
         by_rank = None if documents is None else gather_documents(documents, group)
-        out, lse = ring_forward(q, k, v, group, documents, by_rank)
-        ctx.group, ctx.documents, ctx.by_rank = group, documents, by_rank
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = ring_forward(q, k, v, group, documents, by_rank, window, counts)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.group, ctx.documents, ctx.by_rank, ctx.window = group, documents, by_rank, window
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        return *ring_backward(dout, *ctx.saved_tensors, ctx.group, ctx.documents, ctx.by_rank), None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.group, ctx.documents, ctx.by_rank, ctx.window)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
-def ring_attention(q, k, v, group, documents=None) -> torch.Tensor:
-    """`documents` (b, L): this rank's tokens' document ids, to keep attention inside documents."""
-    return RingAttention.apply(q, k, v, group, documents)
+def ring_attention(q, k, v, group, documents=None, window: int = 0, sinks=None, counts=None) -> torch.Tensor:
+    """`documents` (b, L): this rank's tokens' document ids, to keep attention inside documents;
+    `window`: the keys a query sees at most (0: all earlier ones); `sinks` (h,): the heads' sink
+    logits; `counts`: a Counter of computed and skipped blocks (parallel/context/windows.py)."""
+    return RingAttention.apply(q, k, v, sinks, group, documents, window, counts)
