@@ -88,12 +88,11 @@ def trim_to_window(block: Block, window: int, device=None) -> tuple[Block | None
     trimmed = replace(block, rows=slice(block.rows.start, block.rows.start + end_row - block.q_start),
                       cols=slice(block.cols.start + first_col - block.k_start, block.cols.stop),
                       k_start=first_col)
-    rows_pos = trimmed.q_start + torch.arange(_length(trimmed.rows), device=device)
-    cols_pos = first_col + torch.arange(_length(trimmed.cols), device=device)
-    distance = rows_pos[:, None] - cols_pos[None, :]
     if _length(trimmed.rows) - 1 + trimmed.q_start - first_col < window:  # the farthest pair
         return trimmed, None
-    return trimmed, (distance < window)[None]
+    rows_pos = trimmed.q_start + torch.arange(_length(trimmed.rows), device=device)
+    cols_pos = first_col + torch.arange(_length(trimmed.cols), device=device)
+    return trimmed, (rows_pos[:, None] - cols_pos[None, :] < window)[None]
 
 
 # Tiles narrower than this make more kernel calls than the masked path costs.
@@ -110,13 +109,13 @@ def window_tiles(block: Block, window: int) -> list[Block] | None:
     if _length(block.cols) != chunk or (t < MIN_TILE and t not in (window, chunk)):
         return None
     m, first, end = window // t, block.k_start, block.k_start + chunk
+
+    def cols(start, stop):  # key positions -> columns of the K/V tensor
+        return slice(block.cols.start + start - first, block.cols.start + stop - first)
+
     tiles = []
     for row in range(0, chunk, t):
         p, rows = block.q_start + row, slice(block.rows.start + row, block.rows.start + row + t)
-
-        def cols(start, stop):
-            return slice(block.cols.start + start - first, block.cols.start + stop - first)
-
         if first <= p < end:
             tiles.append(Block(rows, cols(p, p + t), True, p, p))
         full_start, full_stop = max(first, p - (m - 1) * t), min(end, p)
