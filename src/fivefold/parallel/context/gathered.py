@@ -28,8 +28,8 @@ from fivefold.models.masked_attention import masked_attention
 from fivefold.parallel.context.blocks import merge_rows
 from fivefold.parallel.context.apply import gathered_chunk_order, local_positions
 from fivefold.parallel.context.ring import gather_documents, pack_kv
-from fivefold.parallel.context.windows import (Block, add_sinks, chunk_blocks, part_backward, part_forward, sink_grad,
-                                               visible_parts)
+from fivefold.parallel.context.windows import (Block, BlockMethod, BlockwiseAttention, chunk_blocks, part_backward,
+                                               part_forward, visible_parts)
 
 # torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -124,30 +124,13 @@ def allgather_backward(dout, q, k, v, out, lse, group, documents=None, whole=Non
     return dq.to(q.dtype), mine[..., :d].to(k.dtype), mine[..., d:].to(v.dtype)
 
 
-class AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, group, documents, window, counts):
-        whole = None if documents is None else _sequence_documents(documents, group)
-        out, lse = allgather_forward(q, k, v, group, documents, whole, window, counts)
-        if sinks is not None:
-            out, lse = add_sinks(out, lse, sinks)
-        out = out.to(q.dtype)
-        ctx.group, ctx.documents, ctx.whole, ctx.window = group, documents, whole, window
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, ctx.group, ctx.documents, ctx.whole, ctx.window)
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq, dk, dv, dsinks, None, None, None, None
+ALLGATHER = BlockMethod(_sequence_documents, allgather_forward, allgather_backward)
 
 
 def allgather_attention(q, k, v, group, documents=None, window: int = 0, sinks=None, counts=None) -> torch.Tensor:
     """`documents` (b, L): this rank's tokens' document ids, to keep attention inside documents;
     `window`, `sinks` and `counts` as in ring.py's ring_attention."""
-    return AllGatherAttention.apply(q, k, v, sinks, group, documents, window, counts)
+    return BlockwiseAttention.apply(q, k, v, sinks, ALLGATHER, group, documents, window, counts)
 
 
 # ---- Ulysses -------------------------------------------------------------------------------------

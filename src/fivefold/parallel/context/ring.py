@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from fivefold.parallel.context.blocks import merge_rows
-from fivefold.parallel.context.windows import (Block, add_sinks, chunk_blocks, part_backward, part_forward, sink_grad,
-                                               visible_parts)
+from fivefold.parallel.context.windows import (Block, BlockMethod, BlockwiseAttention, chunk_blocks, part_backward,
+                                               part_forward, visible_parts)
 
 _KV_TAG, _GRAD_TAG = 0, 1  # gloo matches messages by tag; NCCL by issue order (the same on all ranks)
 
@@ -94,18 +94,6 @@ def ring_step_blocks(rank: int, src: int, cp: int, half: int, window: int) -> li
     return chunk_blocks([(0, rank), (half, 2 * cp - 1 - rank)], [(0, src), (half, 2 * cp - 1 - src)], half)
 
 
-class _Visibility:
-    """The visible part of each block of a call: the window, and the document ids of this rank's
-    rows and of every rank's keys (`gather_documents`) when documents are masked."""
-
-    def __init__(self, window, documents, by_rank, device, counts):
-        self.window, self.documents, self.by_rank, self.device, self.counts = window, documents, by_rank, device, counts
-
-    def __call__(self, block: Block, src: int):
-        keys = None if self.documents is None else self.by_rank[src]
-        return visible_parts(block, self.window, self.device, self.documents, keys, self.counts)
-
-
 def ring_forward(q, k, v, group, documents=None, by_rank=None, window: int = 0,
                  counts=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output fp32, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence;
@@ -113,7 +101,6 @@ def ring_forward(q, k, v, group, documents=None, by_rank=None, window: int = 0,
     ring = Ring(group)
     scale = q.shape[-1] ** -0.5
     half = q.shape[2] // 2
-    visible = _Visibility(window, documents, by_rank, q.device, counts)
     kv, d = pack_kv(k, v), k.shape[-1]  # one message per step
     out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -122,7 +109,8 @@ def ring_forward(q, k, v, group, documents=None, by_rank=None, window: int = 0,
         src = (ring.rank - step) % ring.size
         for block in ring_step_blocks(ring.rank, src, ring.size, half, window):
             # No part when nothing of it is seen: not computed (step 0's causal block always is).
-            for part, mask in visible(block, src):
+            keys = None if documents is None else by_rank[src]
+            for part, mask in visible_parts(block, window, q.device, documents, keys, counts):
                 block_out, block_lse = part_forward(q, kv[..., :d], kv[..., d:], part, scale, mask)
                 merge_rows(out, lse, part.rows, block_out, block_lse)
         if incoming is not None:
@@ -135,7 +123,6 @@ def ring_backward(dout, q, k, v, out, lse, group, documents=None, by_rank=None, 
     ring = Ring(group)
     scale = q.shape[-1] ** -0.5
     half = q.shape[2] // 2
-    visible = _Visibility(window, documents, by_rank, q.device, None)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv, d = pack_kv(k, v), k.shape[-1]
     grads_in_flight = None
@@ -145,7 +132,8 @@ def ring_backward(dout, q, k, v, out, lse, group, documents=None, by_rank=None, 
         # fp32 on the wire: the sum over cp ranks is an accumulation like dq's.
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for block in ring_step_blocks(ring.rank, src, ring.size, half, window):
-            for part, mask in visible(block, src):
+            keys = None if documents is None else by_rank[src]
+            for part, mask in visible_parts(block, window, q.device, documents, keys):
                 dq_block, dk_block, dv_block = part_backward(dout, q, kv[..., :d], kv[..., d:], out, lse,
                                                              part, scale, mask)
                 dq[:, :, part.rows] += dq_block
@@ -160,28 +148,11 @@ def ring_backward(dout, q, k, v, out, lse, group, documents=None, by_rank=None, 
     return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype)
 
 
-class RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, group, documents, window, counts):
-        by_rank = None if documents is None else gather_documents(documents, group)
-        out, lse = ring_forward(q, k, v, group, documents, by_rank, window, counts)
-        if sinks is not None:
-            out, lse = add_sinks(out, lse, sinks)
-        out = out.to(q.dtype)
-        ctx.group, ctx.documents, ctx.by_rank, ctx.window = group, documents, by_rank, window
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.group, ctx.documents, ctx.by_rank, ctx.window)
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq, dk, dv, dsinks, None, None, None, None
+RING = BlockMethod(gather_documents, ring_forward, ring_backward)
 
 
 def ring_attention(q, k, v, group, documents=None, window: int = 0, sinks=None, counts=None) -> torch.Tensor:
     """`documents` (b, L): this rank's tokens' document ids, to keep attention inside documents;
     `window`: the keys a query sees at most (0: all earlier ones); `sinks` (h,): the heads' sink
     logits; `counts`: a Counter of computed and skipped blocks (parallel/context/windows.py)."""
-    return RingAttention.apply(q, k, v, sinks, group, documents, window, counts)
+    return BlockwiseAttention.apply(q, k, v, sinks, RING, group, documents, window, counts)

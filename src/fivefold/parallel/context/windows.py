@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -193,3 +194,37 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
     row_dot = (dout.float() * out.float()).sum(-1)  # (b, h, L)
     sink_share = torch.exp(sinks.float()[None, :, None] - lse)
     return -(sink_share * row_dot).sum((0, 2)).to(sinks.dtype)
+
+
+@dataclass(frozen=True)
+class BlockMethod:
+    """A context-parallel method that attends block by block (ring, all-gather): how it gathers the
+    keys' document ids, `documents_of(documents, group)`, and its forward and backward,
+    `forward(q, k, v, group, documents, key_documents, window, counts)` -> (out fp32, LSE) and
+    `backward(dout, q, k, v, out, lse, group, documents, key_documents, window)` -> (dq, dk, dv)."""
+
+    documents_of: Callable
+    forward: Callable
+    backward: Callable
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """A BlockMethod's attention with the sinks folded in once, after its blocks are merged."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, method: BlockMethod, group, documents, window, counts):
+        keys = None if documents is None else method.documents_of(documents, group)
+        out, lse = method.forward(q, k, v, group, documents, keys, window, counts)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.method, ctx.group, ctx.documents, ctx.keys, ctx.window = method, group, documents, keys, window
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = ctx.method.backward(dout, q, k, v, out, lse, ctx.group, ctx.documents, ctx.keys, ctx.window)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None, None, None, None, None
