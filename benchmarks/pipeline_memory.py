@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     from fivefold.config import load_config
 
-    print(f"| pp | schedule | rank | in flight per chunk | measured MiB | predicted MiB | predicted/measured |")
+    print("| pp | schedule | rank | in flight per chunk | measured MiB | predicted MiB | predicted/measured |")
     print("|---|---|---|---|---|---|---|")
     worst = 0.0
     for pp in (int(x) for x in args.pps.split(",")):

@@ -1,7 +1,8 @@
 """gpt-oss (issue 30) against transformers' own GptOssForCausalLM (eager attention): a random tiny
 model (both layer types, nonzero sinks and biases, sequences longer than the window) loaded by us
 gives transformers' logits (1e-5, fp32) and its first training loss; exports round-trip every
-tensor exactly and load in transformers with the same logits; the window and the sinks really
+tensor exactly and load in transformers with the same logits; an MXFP4 folder (the released
+weights' format) loads as transformers dequantises it; the window and the sinks really
 change the model; what fivefold cannot do yet is refused in one sentence; the layouts that
 tensor, expert, pipeline and data parallelism make of it train as the single process does."""
 
@@ -59,10 +60,13 @@ def test_load_matches_transformers(hf_folder):
 
 
 def test_first_training_loss_is_transformers(hf_folder):
+    _assert_first_loss_is_transformers(*hf_folder)
+
+
+def _assert_first_loss_is_transformers(folder, hf):
     from fivefold.train.data import GlobalBatchSampler, load_splits
     from fivefold.train.trainer import train
 
-    folder, hf = hf_folder
     cfg = load_config(None, {"model": {"init_from": str(folder)}, "log": {"progress": False},
                              "train": {"steps": 1, "seq_len": 32, "global_batch": 4},
                              "data": {"builtin_max_bytes": 200_000}})
@@ -135,6 +139,131 @@ def test_any_box_of_a_fused_tensor_reads_alone(hf_folder):
         sizes = tuple(max(1, n - 2) for n in whole.shape)
         box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         assert torch.equal(reader(name, whole.shape, offsets, sizes), whole[box]), name
+
+
+# --------------------------------------------------------------------------------------------
+# MXFP4 checkpoints (the released weights): transformers' own dequantisation is the reference
+
+MXFP4_SHAPE = {**SHAPE, "hidden_size": 64, "intermediate_size": 32}  # MXFP4 groups 32 inputs
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+QUANTISED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # what gpt-oss's release quantises
+
+
+def _mxfp4_pair(shape, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes and scales for a Hugging Face weight (experts, inputs, outputs): every byte,
+    exponents 2^-9 .. 2^-3 so that the tiny model's logits stay of order one."""
+    experts, inputs, outputs = shape
+    blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8, generator=gen)
+    return blocks, torch.randint(118, 125, blocks.shape[:-1], dtype=torch.uint8, generator=gen)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(tmp_path_factory):
+    """A tiny gpt-oss folder as the release stores it: experts as _blocks/_scales pairs."""
+    import json
+
+    from safetensors.torch import save_file
+
+    plain = tmp_path_factory.mktemp("gpt_oss_plain")
+    hf_model(**MXFP4_SHAPE).save_pretrained(plain)
+    gen, tensors = torch.Generator().manual_seed(4), {}
+    for name, tensor in stored(plain).items():
+        if name.endswith(QUANTISED):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = _mxfp4_pair(tensor.shape, gen)
+        else:
+            tensors[name] = tensor
+    folder = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((plain / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
+    return folder, tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_dequantises_every_code_and_scale_as_transformers(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from fivefold.models.mxfp4 import dequantise
+
+    # Every pair of E2M1 codes (a byte) at every exponent whose 6 is finite (2^-127 .. 2^125):
+    # (253 experts, 3 rows, 16 groups, 16 bytes).
+    blocks = torch.arange(256, dtype=torch.uint8).reshape(16, 16).expand(253, 3, 16, 16).contiguous()
+    scales = torch.arange(253, dtype=torch.uint8)[:, None, None].expand(253, 3, 16).contiguous()
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # (253, 16·32 inputs, 3 rows)
+    ours = dequantise(blocks, scales, dtype).transpose(1, 2)
+    assert ours.dtype == dtype and theirs.isfinite().all() and theirs.abs().max() == 6 * 2.0**125
+    assert theirs[0].abs().min() == 0 and theirs[0][theirs[0] != 0].abs().min() == 2.0**-128
+    assert torch.equal(ours, theirs) and torch.equal(ours.signbit(), theirs.signbit())
+
+
+def test_mxfp4_checkpoint_loads_as_transformers_loads_it(mxfp4_folder, capsys):
+    from fivefold.models.hf_stream import HFBoxes
+
+    folder, tensors = mxfp4_folder
+    theirs = transformers.GptOssForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    assert_same_logits(logits(fivefold.load_pretrained(folder), VOCAB, SEQ), logits(theirs, VOCAB, SEQ))
+    reader = HFBoxes(folder)
+    assert reader.dequantised == sorted(f"model.layers.{i}.{q}" for i in range(4) for q in QUANTISED)
+    # A rank's box (ep: some experts; tp: some rows, from inside a 32-input group) reads alone.
+    for name in ("w1", "w2", "w3"):
+        name = f"layers.2.feed_forward.experts.{name}"
+        whole = reader.whole(name)
+        offsets, sizes = (1, 3, 5), (2, whole.shape[1] - 7, whole.shape[2] - 9)
+        box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        assert torch.equal(reader(name, whole.shape, offsets, sizes), whole[box]), name
+    down = theirs.model.layers[2].mlp.experts.down_proj  # (experts, ffn, hidden), as transformers holds it
+    assert torch.equal(reader.whole("layers.2.feed_forward.experts.w2"), down.detach().transpose(1, 2))
+
+    _assert_first_loss_is_transformers(folder, theirs)  # the trainer's ranks read boxes too
+    assert f"{folder}: dequantised 8 MXFP4 weights to torch.float32" in capsys.readouterr().out
+
+
+def test_mxfp4_import_names_what_it_dequantised(mxfp4_folder, tmp_path, capsys):
+    folder, _ = mxfp4_folder
+    assert cli(["convert", str(folder), str(tmp_path / "ckpt")]) == 0
+    assert ("dequantised 8 MXFP4 weights to torch.float32: model.layers.*.mlp.experts.down_proj, "
+            "model.layers.*.mlp.experts.gate_up_proj") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t.update({"model.layers.1.mlp.experts.down_proj_scales": torch.zeros(4, 64, 2, dtype=torch.uint8)}),
+     "model.layers.1.mlp.experts.down_proj_blocks has shape [4, 64, 1, 16] and "
+     "model.layers.1.mlp.experts.down_proj_scales [4, 64, 2]; MXFP4 stores"),
+    (lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 64, 2, 16)}),
+     "model.layers.0.mlp.experts.gate_up_proj_blocks and model.layers.0.mlp.experts.gate_up_proj_scales must be "
+     "uint8 (MXFP4), got F32 and U8"),
+    (lambda t: t.pop("model.layers.3.mlp.experts.down_proj_scales"),
+     "holds tensor model.layers.3.mlp.experts.down_proj_blocks, which fivefold's gpt_oss has no place for"),
+])
+def test_a_damaged_mxfp4_pair_is_one_sentence(mxfp4_folder, tmp_path, damage, message):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder, tensors = mxfp4_folder
+    tensors = dict(tensors)
+    damage(tensors)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        fivefold.load_pretrained(tmp_path)
+
+
+def test_the_nan_scale_of_mxfp4_is_one_sentence(mxfp4_folder, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder, tensors = mxfp4_folder
+    scales = tensors["model.layers.1.mlp.experts.gate_up_proj_scales"].clone()
+    scales[2, 7, 0] = 255
+    save_file({**tensors, "model.layers.1.mlp.experts.gate_up_proj_scales": scales}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    with pytest.raises(ConfigError, match=re.escape("model.layers.1.mlp.experts.gate_up_proj_scales holds the "
+                                                    "E8M0 NaN scale 255; the checkpoint is damaged")):
+        fivefold.load_pretrained(tmp_path)
 
 
 def _variant(model, **change):
@@ -256,8 +385,8 @@ def raw(**change) -> dict:
 
 
 @pytest.mark.parametrize("config, message", [
-    (raw(quantization_config={"quant_method": "mxfp4"}), "has a quantization_config (quant_method 'mxfp4', MXFP4 "
-     "experts); fivefold reads unquantised weights only"),
+    (raw(quantization_config={"quant_method": "fp8"}), "has a quantization_config with quant_method 'fp8'; "
+     "fivefold reads unquantised and MXFP4 weights"),
     (raw(layer_types=["full_attention", "sliding_attention"] * 2), "has layer_types ['full_attention', "
      "'sliding_attention', 'full_attention', 'sliding_attention']; fivefold's sliding-window layers"),
     (raw(layer_types=["sliding_attention"] * 3), "needs layer_types as 4 of 'sliding_attention' and 'full_attention'"),

@@ -3,7 +3,6 @@ holds the layers/experts its pipeline stage and ep position say, node crossings 
 bad input gets one sentence. That the map is what a run really does is checked inside the
 16-rank composition spawn (tests/test_composition.py)."""
 
-import pytest
 
 from fivefold.cli import main
 from fivefold.config import load_config

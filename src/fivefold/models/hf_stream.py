@@ -9,6 +9,10 @@ this process's RSS until the file is unmapped: whoever walks a whole model (load
 convert) calls `close()` after each tensor (re-opening costs a header parse), while a training rank,
 reading only its boxes, keeps the handles open.
 
+A folder whose config.json says `quantization_config.quant_method = "mxfp4"` (gpt-oss's released
+weights) may store a weight as a `_blocks`/`_scales` pair: it reads as the dequantised tensor,
+only the groups of the box asked for (models/mxfp4.py); `dequantised` names those weights.
+
 Writing (`write_hf_folder`): the shard plan and every file's header follow from shapes and dtypes
 alone, so each file is written header first and then tensor by tensor (safetensors' own save_file
 needs a whole shard in memory). The folder is what transformers' save_pretrained writes:
@@ -31,6 +35,7 @@ from fivefold.config import ConfigError, ModelConfig
 from fivefold.models import build_meta_model
 from fivefold.models.hf import DEFAULT_SHARD_BYTES, config_from_hf, hf_config_from
 from fivefold.models.hf_adapter import IGNORED_HF
+from fivefold.models.mxfp4 import MXFP4Slice, quantised_pairs
 from fivefold.models.registry import model_spec
 
 INDEX = "model.safetensors.index.json"
@@ -64,13 +69,16 @@ class HFBoxes:
     """`reader(name, whole_shape, offsets, sizes)`: elements [offsets[i], offsets[i] + sizes[i]) of
     fivefold's whole tensor `name`, read from a Hugging Face folder and converted to `dtype` (None
     keeps the stored one). `shapes` lists what a fivefold checkpoint of the model holds (a tied
-    copy is not in it, but reading it gives its source)."""
+    copy is not in it, but reading it gives its source). `dequantised`: the Hugging Face weights
+    stored in MXFP4, which read dequantised."""
 
     def __init__(self, folder, dtype: torch.dtype | None = torch.float32):
         self.folder, self.dtype = Path(folder), dtype
         self._handles: dict[Path, object] = {}
         self.cfg = read_hf_config(self.folder)
         self._where = self._locate()
+        self._mxfp4 = self._quantised()  # weight -> its stored (name, file) pairs: blocks, scales
+        self.dequantised = sorted(self._mxfp4)
         self.cfg = model_spec(self.cfg).hf.fit_to_files(self.cfg, set(self._where))
         spec = model_spec(self.cfg)
         self.adapter, self.tied = spec.hf, spec.tied(self.cfg)
@@ -96,14 +104,14 @@ class HFBoxes:
         part = self.adapter.part_of(self.tied.get(name, name))
         if part is not None:  # a strided part of one Hugging Face tensor (gpt-oss's experts)
             hf, which = part
-            view = which.read(self._open(self._where[hf]).get_slice(hf), offsets, sizes)
+            view = which.read(self._slice(hf), offsets, sizes)
             return torch.empty(sizes, dtype=self.dtype or view.dtype).copy_(view)
         box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         stacked = self.adapter.is_stacked(name)  # (experts, out, in): one Hugging Face tensor per expert in the box
         sources = self._sources[name][box[0]] if stacked else self._sources[name]
         out = None
         for i, hf in enumerate(sources):
-            view = self._open(self._where[hf]).get_slice(hf)[box[1:] if stacked else box]
+            view = self._slice(hf)[box[1:] if stacked else box]
             if out is None:
                 out = torch.empty(sizes, dtype=self.dtype or view.dtype)
             (out[i] if stacked else out).copy_(view)
@@ -121,6 +129,25 @@ class HFBoxes:
         if file not in self._handles:
             self._handles[file] = safe_open(file, framework="pt")
         return self._handles[file]
+
+    def _slice(self, hf: str):
+        """A safetensors slice of Hugging Face tensor `hf` (the dequantised view of an MXFP4 pair)."""
+        if hf in self._mxfp4:
+            (blocks, blocks_file), (scales, scales_file) = self._mxfp4[hf]
+            return MXFP4Slice(hf, self._open(blocks_file).get_slice(blocks), self._open(scales_file).get_slice(scales),
+                              self.dtype or torch.bfloat16)  # bf16 holds every MXFP4 value exactly
+        return self._open(self._where[hf]).get_slice(hf)
+
+    def _quantised(self) -> dict[str, tuple[tuple[str, Path], tuple[str, Path]]]:
+        """In an MXFP4 folder, each `_blocks`/`_scales` pair leaves `_where` for the weight it stores."""
+        quantisation = json.loads((self.folder / "config.json").read_text()).get("quantization_config")
+        if not isinstance(quantisation, dict) or quantisation.get("quant_method") != "mxfp4":
+            return {}  # the family's read_config refused any other quantisation already
+        pairs = {}
+        for weight, (blocks, scales) in quantised_pairs(self._where).items():
+            pairs[weight] = ((blocks, self._where.pop(blocks)), (scales, self._where.pop(scales)))
+            self._where[weight] = pairs[weight][0][1]
+        return pairs
 
     def _locate(self) -> dict[str, Path]:
         """Hugging Face tensor name -> the file holding it (the index decides when there is one)."""
@@ -153,14 +180,24 @@ class HFBoxes:
                             expected[1:] if self.adapter.is_stacked(ours) else expected)
             if hf not in self._where:
                 raise ConfigError(f"{folder} is missing tensor {hf} (shape {expected}) that config.json implies")
-            file = self._where[hf]
-            if not file.is_file():
-                raise ConfigError(f"{file} is named by {INDEX} but does not exist")
-            if hf not in held.setdefault(file, set(self._open(file).keys())):
-                raise ConfigError(f"{file} does not hold tensor {hf}, which {INDEX} places there")
-            shape = list(self._open(file).get_slice(hf).get_shape())
+            for stored, file in self._mxfp4.get(hf, [(hf, self._where[hf])]):
+                if not file.is_file():
+                    raise ConfigError(f"{file} is named by {INDEX} but does not exist")
+                if stored not in held.setdefault(file, set(self._open(file).keys())):
+                    raise ConfigError(f"{file} does not hold tensor {stored}, which {INDEX} places there")
+            try:
+                shape = list(self._slice(hf).get_shape())
+            except ConfigError as err:  # an MXFP4 pair of the wrong dtype or shapes
+                raise ConfigError(f"{folder}: {err}") from None
             if shape != expected:
                 raise ConfigError(f"tensor {hf} in {file} has shape {shape}, but config.json implies {expected}")
+
+
+def dequantised_note(reader: HFBoxes) -> str:
+    """One line naming the weights a reader dequantises ("" when none), layers and experts as *."""
+    patterns = sorted({re.sub(r"\.\d+\.", ".*.", name) for name in reader.dequantised})
+    return f"dequantised {len(reader.dequantised)} MXFP4 weights to {reader.dtype or torch.bfloat16}: " \
+           f"{', '.join(patterns)}" if patterns else ""
 
 
 def hf_box_reader(folder) -> tuple[ModelConfig, Callable[[str, tuple, tuple, tuple], torch.Tensor]]:

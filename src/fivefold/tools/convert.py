@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from fivefold.config import Config, ConfigError, to_toml
 from fivefold.models.hf import DEFAULT_SHARD_BYTES, model_from_tensors
-from fivefold.models.hf_stream import HFBoxes
+from fivefold.models.hf_stream import HFBoxes, dequantised_note
 from fivefold.train import checkpoint_manifest, sharded_io
 from fivefold.train.checkpoint import FORMAT, read_state, read_tensors
 from fivefold.train.export import checkpoint_folder, checkpoint_to_hf, model_config, run_tokenizer
@@ -69,14 +69,14 @@ class _OnDemand(sharded_io.Pieces):
         return box
 
 
-def hf_to_checkpoint(src, dst, block_bytes: int = BLOCK_BYTES) -> Path:
+def hf_to_checkpoint(src, dst, block_bytes: int = BLOCK_BYTES, reader: HFBoxes | None = None) -> Path:
     """A weights-only fivefold checkpoint from a Hugging Face folder, one box in memory at a time.
 
     One DCP save writes every box into a data file of its own: DCP keeps each tensor of a data file
     referenced until that file is closed (FileSystemWriter's per-file dict), so the usual one file
     per rank would end up holding the whole model.
     """
-    reader = HFBoxes(src)  # fp32: the trainer's master precision
+    reader = reader or HFBoxes(src)  # fp32: the trainer's master precision
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     state = {f"model/{name}": _OnDemand(reader, name, shape, block_bytes) for name, shape in reader.shapes.items()}
@@ -95,9 +95,11 @@ def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
     """Direction from what SRC is; returns a one-line summary."""
     src = Path(src)
     if (src / "config.json").is_file():
-        hf_to_checkpoint(src, dst)
+        reader = HFBoxes(src)
+        hf_to_checkpoint(src, dst, reader=reader)
+        note = dequantised_note(reader)
         return f"wrote fivefold checkpoint {dst} (train from it: fivefold train {dst}/config.toml " \
-               f"--checkpoint.resume {dst})"
+               f"--checkpoint.resume {dst})" + (f"; {note}" if note else "")
     if (src / "state.json").is_file() or (src / "latest").is_file():
         tokenizer = run_tokenizer(checkpoint_folder(src))  # its files go beside the weights when they exist
         checkpoint_to_hf(src, dst, max_shard_bytes, tokenizer)

@@ -68,6 +68,10 @@ def setup(cfg: Config, rt: Runtime | None = None) -> tuple[Runtime, Parallelized
     par = parallelize(model, dims, cfg, rt.device, fill)
     if hasattr(fill, "close"):  # a folder's memory maps: read pages would count in this rank's RSS
         fill.close()
+        if rt.is_main and fill.dequantised:
+            from fivefold.models.hf_stream import dequantised_note
+
+            print(f"{cfg.model.init_from}: {dequantised_note(fill)}", flush=True)
     return rt, par
 
 

@@ -9,8 +9,10 @@ back when writing. The sinks are `self_attn.sinks`, the router `mlp.router.{weig
 
 Keys a file leaves out mean what GptOssConfig says (its defaults are gpt-oss-120b's; its RoPE is
 YaRN with factor 32 over 4096 positions, the ramp's ends not rounded). `layer_types` becomes
-model.sliding_window and model.full_attention_every; patterns those cannot say are refused. MXFP4
-(or any quantised) checkpoints are refused: fivefold reads unquantised weights.
+model.sliding_window and model.full_attention_every; patterns those cannot say are refused. The
+released checkpoints store the experts' gate_up_proj and down_proj in MXFP4 (`quant_method
+"mxfp4"`): they read dequantised (models/mxfp4.py, exact in bf16 and fp32); other quantisations are
+refused. Export writes unquantised weights.
 """
 
 from __future__ import annotations
@@ -108,10 +110,10 @@ def _rope(hf: dict) -> dict:
 
 def read_config(hf: dict) -> ModelConfig:
     quantized = hf.get("quantization_config")
-    if quantized:
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
-        refuse(f"has a quantization_config (quant_method '{method}'{', MXFP4 experts' if method == 'mxfp4' else ''}); "
-               "fivefold reads unquantised weights only: dequantise the checkpoint (e.g. to bf16) first")
+    method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
+    if quantized and method != "mxfp4":  # MXFP4 pairs read dequantised (models/hf_stream.py)
+        refuse(f"has a quantization_config with quant_method '{method}'; fivefold reads unquantised and MXFP4 "
+               "weights: dequantise the checkpoint (e.g. to bf16) first")
     hf = {**DEFAULTS, **hf}  # a null head_dim or num_key_value_heads: derived, as GptOssConfig does
     for key in ("num_local_experts", "num_experts_per_tok", "num_hidden_layers"):
         positive_int(hf, key)
