@@ -89,7 +89,7 @@ def run_variant(name: str, shape: dict) -> dict:
     tokens = shape["batch"] * shape["seq_len"]
     start = time.perf_counter()
     if name == "transformers":
-        step_s = transformers_round(cfg, shape["warmup"], device)
+        step_s = transformers_round(cfg, shape["warmup"], device)[0]
         n_params = None
     else:
         result = train(cfg)

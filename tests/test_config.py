@@ -36,12 +36,16 @@ BAD_INPUTS = [
      ["train.steps must be an integer", "got 1.5"]),
     ("toml-word-for-number", '[train]\nlr = "fast"\n', None, None,
      ["train.lr must be a number", "got 'fast'"]),
-    ("toml-int-for-bool", "[train]\ncompile = 1\n", None, None,
-     ["train.compile must be true or false", "got 1"]),
+    ("toml-int-for-bool", "[checkpoint]\nasync_save = 1\n", None, None,
+     ["checkpoint.async_save must be true or false", "got 1"]),
     ("cli-word-for-int", None, ["--parallel.tp", "two"], None,
      ["parallel.tp must be an integer", "got 'two'"]),
-    ("cli-bad-bool", None, ["--train.compile", "maybe"], None,
-     ["train.compile must be true or false", "got 'maybe'"]),
+    ("cli-bad-bool", None, ["--parallel.sp", "maybe"], None,
+     ["parallel.sp must be true or false", "got 'maybe'"]),
+    ("cli-bad-compile", None, ["--train.compile", "maybe"], None,
+     ["train.compile='maybe' is not one of false, true, auto"]),
+    ("toml-int-for-compile", "[train]\ncompile = 1\n", None, None,
+     ["train.compile='1' is not one of false, true, auto"]),
     ("cli-override-without-value", None, ["--parallel.tp"], None,
      ["--parallel.tp needs a value", "e.g. --parallel.tp 2"]),
     ("cli-override-without-dashes", None, ["parallel.tp", "2"], None,
@@ -166,8 +170,20 @@ def test_good_neighbours_validate(overrides, world_size):
 @pytest.mark.parametrize("text, value", [("true", True), ("False", False), ("1", True), ("0", False),
                                          ("yes", True), ("no", False), ("on", True), ("off", False)])
 def test_bool_parsing_from_cli(text, value):
-    assert load_config(None, ["--train.compile", text]).train.compile is value
     assert load_config(None, ["--parallel.sp", text]).parallel.sp is value
+
+
+@pytest.mark.parametrize("given, value", [("true", "true"), ("false", "false"), ("auto", "auto"), (True, "true"),
+                                          (False, "false")])
+def test_compile_is_false_true_or_auto_and_takes_booleans(given, value, tmp_path):
+    """train.compile's choices include true and false, so TOML's booleans (and old checkpoints'
+    state.json, which stored a boolean) mean them."""
+    if isinstance(given, str):
+        assert load_config(None, ["--train.compile", given]).train.compile == value
+    toml = tmp_path / "run.toml"
+    toml.write_text(f"[train]\ncompile = {str(given).lower() if isinstance(given, bool) else repr(given)}\n")
+    assert load_config(str(toml)).train.compile == value
+    assert load_config(None, {"train": {"compile": given}}).train.compile == value
 
 
 def test_cli_strings_are_typed():

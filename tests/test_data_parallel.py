@@ -1,4 +1,6 @@
-"""Data parallelism (every ZeRO stage, HSDP) against the single-process run."""
+"""Data parallelism (every ZeRO stage, HSDP) against the single-process run; and compiled blocks
+under Inductor itself (the other compiled layouts use aot_eager, tests/test_composition.py)
+against the eager single process."""
 
 import pytest
 
@@ -16,11 +18,14 @@ TWO_RANK_LAYOUTS = [
     {"parallel": {"dp": 2, "zero": 2}, "train": {"micro_batch": 1}},
     {"parallel": {"dp": 2, "zero": 3}, "train": {"micro_batch": 1}},
 ]
+# Inductor's fused kernels round differently from eager's, within the reassociation the tolerance
+# rule already allows (tests/layouts.py): compared with the eager single process. ~30 s of C++ build.
+INDUCTOR = {"parallel": {"dp": 2, "zero": 1}, "train": {"compile": True}}
 
 
 @pytest.fixture(scope="module")
 def two_rank_results():
-    return run_on_ranks(2, run_layouts, TWO_RANK_LAYOUTS)
+    return run_on_ranks(2, run_layouts, [*TWO_RANK_LAYOUTS, INDUCTOR])
 
 
 @pytest.mark.parametrize("index", range(len(TWO_RANK_LAYOUTS)))
@@ -29,6 +34,15 @@ def test_dp2_matches_single_process(two_rank_results, index):
     want = reference(layout)
     for rank, results in enumerate(two_rank_results):
         assert_same_run(results[index], want, label=f"{layout} rank {rank}")
+
+
+def test_inductor_compiled_dp2_matches_the_eager_single_process(two_rank_results):
+    want = reference({"parallel": INDUCTOR["parallel"]})  # eager: train.compile left out
+    for rank, results in enumerate(two_rank_results):
+        got = results[len(TWO_RANK_LAYOUTS)]
+        assert_same_run(got, want, label=f"Inductor dp2 rank {rank}")
+        assert got.compile_s > 0 and want.compile_s == 0  # the blocks really ran compiled
+        assert got.comm == results[1].comm  # the ledger measures the compiled step as the eager dp2 zero1 one
 
 
 def _params(run) -> int:

@@ -112,6 +112,7 @@ def _auto_layout(own, args: list[str], config_path: str | None, overrides: list[
     import os
 
     from fivefold.plan import auto
+    from fivefold.plan.compile_choice import planned_compile
     from fivefold.plan.hardware import runtime_for
     from fivefold.train.supported import check_supported
 
@@ -133,7 +134,7 @@ def _auto_layout(own, args: list[str], config_path: str | None, overrides: list[
     device = (torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
               if torch.cuda.is_available() else None)
     hw, why = auto.job_hardware(cfg, per_node, device)
-    choice = auto.choose(cfg, world, hw, runtime_for(cfg.train.compile), free, check=check_supported, keep=own.sweep)
+    choice = auto.choose(cfg, world, hw, runtime_for(planned_compile(cfg)), free, check=check_supported, keep=own.sweep)
     best = choice.best
     speaks = int(os.environ.get("RANK", 0)) == 0 and own.node_rank == 0
     if speaks:

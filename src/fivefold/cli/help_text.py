@@ -101,7 +101,6 @@ UNCOMMENTED = {
     "train.weight_decay": "AdamW weight decay",
     "train.beta1": "AdamW beta1",
     "train.beta2": "AdamW beta2",
-    "train.compile": "torch.compile each block",
     "train.eval_batches": "held-out batches per evaluation",
     "data.val_fraction": "share of the tokens (documents, for prepared data) held out for evaluation",
     "data.builtin_max_bytes": "bytes of the builtin corpus (Python's standard library) to read",

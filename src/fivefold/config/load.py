@@ -74,8 +74,18 @@ def _build(cls, raw: dict, prefix: str):
                 raise ConfigError(f"{dotted} must be a section of keys, got {value!r}")
             kwargs[key] = _build(typ, value, dotted)
         else:
-            kwargs[key] = _coerce(dotted, value, typ)
+            kwargs[key] = _coerce(dotted, _boolean_choice(cls, key, value), typ)
     return cls(**kwargs)
+
+
+def _boolean_choice(cls, key: str, value):
+    """A TOML or Python boolean given to a text key whose choices include "true" and "false"
+    (train.compile: false | true | auto) is that choice."""
+    if not isinstance(value, bool):
+        return value
+    check = next(f for f in dataclasses.fields(cls) if f.name == key).metadata.get("check")
+    choices = getattr(check, "choices", None) or ()
+    return ("true" if value else "false") if {"true", "false"} <= set(choices) else value
 
 
 def _model_from_folder(raw_model: dict) -> dict:

@@ -170,7 +170,9 @@ class TrainConfig:
     dtype: str = checked("fp32", choices=("fp32", "bf16"))  # fp32 | bf16 (bf16 compute, fp32 master weights and reductions)
     fp8: str = checked("", choices=("", "tensorwise", "rowwise"), note='"" = off')  # "" (off) | tensorwise | rowwise: dense projections in FP8 via torchao (needs dtype bf16)
     recompute: str = checked("none", choices=("none", "selective", "full"))  # none | selective | full
-    compile: bool = False
+    # false | true (Inductor per block) | auto (true where the planner expects the run to win back
+    # the compile time, plan/compile_choice.py); TOML's true/false are accepted too
+    compile: str = checked("false", choices=("false", "true", "auto"))
     eval_every: int = checked(0, ge=0, note="0 = off")  # 0 = no evaluation
     eval_batches: int = checked(4, gt=0, when="eval_every")
     max_bad_steps: int = checked(3, ge=1)  # steps in a row with a non-finite loss/grad norm (skipped) before stopping

@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from fivefold.torch_internals import TorchDispatchMode, op_schema_name, resolve_process_group
+from fivefold.torch_internals import HigherOrderOperator, TorchDispatchMode, op_schema_name, resolve_process_group
 
 
 def _group_of(arg) -> tuple[str, int] | None:
@@ -96,8 +96,22 @@ class CommLedger(TorchDispatchMode):
         self._bytes: dict[str, float] = defaultdict(float)
         self._labels: dict[str, str] = {}  # group name -> label, filled on first sight
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Compiled blocks (train.compile) run compiled under the ledger, which sees the collectives
+        # their graphs call at run time. Without this, Dynamo falls back to eager for a call made
+        # inside the mode and never compiles that code again: the first step is measured, so no
+        # multi-rank run compiled anything (tests/test_data_parallel.py has the Inductor case).
+        return True
+
+    # A compiled graph with recomputation inside calls higher-order operators (run_and_save_rng_state):
+    # they run as they are, and the collectives inside them reach this mode as ordinary operators.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if isinstance(func, HigherOrderOperator):
+            return out
         # This runs for every operator of the step; almost none is a collective. One dict lookup
         # per operator (cached by overload) keeps the ledger's cost per op small.
         entry = _ENTRIES.get(func, _MISSING)

@@ -29,6 +29,7 @@ from fivefold.parallel.pipeline.stages import Pipeline
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.step_hooks import MultiTokenPredictionStep, StepHook
 from fivefold.parallel.tensor.sharded_inputs import keeps_shards
+from fivefold.plan.compile_choice import choose_compile
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device,
@@ -42,8 +43,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
         dims.warn_if_tp_crosses_nodes(cfg.parallel.gpus_per_node)
     pipeline = Pipeline(model, cfg, spec, mesh["pp"], device) if dims.pp > 1 else None
     parts = pipeline.parts if pipeline is not None else [model]
+    compile_blocks = choose_compile(cfg, device.type, torch.get_num_threads()).compile  # train.compile = auto too
     for part in parts:
-        apply_dimensions(part, spec, cfg, dims, mesh)
+        apply_dimensions(part, spec, cfg, dims, mesh, compile_blocks)
     data_parallel = shard_and_materialize(parts, dims, mesh, cfg, pipeline, device, fill)
     tied_group = None
     loss_fn = LMLoss()
@@ -57,7 +59,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
                         step_hooks=step_hooks(parts, cfg), loss_fn=loss_fn)
 
 
-def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: ParallelDims, mesh) -> None:
+def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: ParallelDims, mesh,
+                     compile_blocks: bool) -> None:
     """The fixed order on one part (the model or a pipeline stage), still on the meta device."""
     if dims.tp > 1:
         from fivefold.parallel.tensor.apply import apply_tensor_parallel
@@ -76,7 +79,7 @@ def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: Parall
     apply_recompute(part.layers, cfg.train.recompute, lambda index: spec.block_plan(cfg.model, index),
                     stream_split=dims.tp if dims.tp > 1 and cfg.parallel.sp else 1,
                     compute_bytes=2 if cfg.train.dtype == "bf16" else 4)
-    if cfg.train.compile:
+    if compile_blocks:  # one graph per block kind: identical blocks share it (plan/compile_choice.py)
         for block in part.layers.values():
             block.compile()
 

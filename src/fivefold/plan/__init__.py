@@ -4,6 +4,7 @@ search the best one. Pure Python arithmetic: no torch, answers in milliseconds.
     from fivefold.plan import plan_layout, search_layouts
 """
 
+from fivefold.plan.compile_choice import planned_compile
 from fivefold.plan.estimate import Estimate, estimate
 from fivefold.plan.hardware import DEFAULT_RUNTIME, PROFILES, Hardware, Runtime, hardware_for, runtime_for
 from fivefold.plan.layout import Layout, parse_layout
@@ -16,13 +17,13 @@ def plan_layout(cfg, layout: Layout, gpu: str | None = None) -> Estimate:
     """Predict one layout for a resolved Config on its [cluster] GPU (or `gpu`), with the runtime
     profile of its train.compile."""
     hw = hardware_for(gpu or cfg.cluster.gpu, cfg.cluster.gpus_per_node)
-    return estimate(workload_from_config(cfg), layout, hw, runtime_for(cfg.train.compile))
+    return estimate(workload_from_config(cfg), layout, hw, runtime_for(planned_compile(cfg)))
 
 
 def search_layouts(cfg, gpus: int | None = None) -> SearchResult:
     """Rank the layouts of a resolved Config on cfg.cluster (or `gpus` GPUs)."""
     hw = hardware_for(cfg.cluster.gpu, cfg.cluster.gpus_per_node)
-    return search(cfg, workload_from_config(cfg), hw, runtime_for(cfg.train.compile), gpus or cfg.cluster.gpus)
+    return search(cfg, workload_from_config(cfg), hw, runtime_for(planned_compile(cfg)), gpus or cfg.cluster.gpus)
 
 
 __all__ = ["DEFAULT_RUNTIME", "Estimate", "Hardware", "Layout", "ModelStats", "PRECISIONS",

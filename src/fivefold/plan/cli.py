@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig, load_config
+from fivefold.plan.compile_choice import planned_compile
 from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import PROFILES, hardware_from_cluster, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
@@ -129,7 +130,7 @@ def _evaluate_given(cfg, workload, hw, layouts: list[Layout], where: list[str]):
         problem = layout_problem(cfg, workload, layout, world)
         if problem:
             raise PlanError(f"{label}: {problem}")
-        est = estimate(workload, layout, hw, runtime_for(cfg.train.compile))
+        est = estimate(workload, layout, hw, runtime_for(planned_compile(cfg)))
         explain_single(est)
         out.append(est)
     return out
@@ -181,7 +182,7 @@ def _plan(argv: list[str]) -> int:
         if gpus < 1:
             raise PlanError("give the cluster size with --cluster.gpus N (or a --layout to evaluate)")
         _check_nodes(gpus, hw.gpus_per_node, "a cluster")
-        result = search(cfg, workload, hw, runtime_for(cfg.train.compile), gpus)
+        result = search(cfg, workload, hw, runtime_for(planned_compile(cfg)), gpus)
         ranked = []  # the winners, re-checked with the training code's full rules
         for est in result.ranked:
             if len(ranked) == top:
@@ -215,13 +216,13 @@ def _plan(argv: list[str]) -> int:
 
 def _fits_nowhere(cfg, workload, hw, gpus: int, result) -> str:
     name = cfg.model.preset
-    lean = leanest_layout(cfg, workload, hw, runtime_for(cfg.train.compile), gpus)
+    lean = leanest_layout(cfg, workload, hw, runtime_for(planned_compile(cfg)), gpus)
     if lean is None:
         reason = result.rejected[0].reason if result.rejected else "no degrees divide the cluster"
         return (f"no valid layout of {name} exists on {gpus} GPUs ({reason}); "
                 f"change --cluster.gpus or train.global_batch")
     need = f"; even the leanest layout ({lean[0].short()}) needs {lean[1] / GB:.1f} GB per GPU"
-    found = smallest_fitting_cluster(cfg, workload, hw, runtime_for(cfg.train.compile), 2 * gpus)
+    found = smallest_fitting_cluster(cfg, workload, hw, runtime_for(planned_compile(cfg)), 2 * gpus)
     if found is None:
         return f"{name} fits on no cluster of {hw.name} GPUs{need}; use GPUs with more memory"
     n, layout = found

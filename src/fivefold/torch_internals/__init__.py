@@ -46,6 +46,9 @@ TorchDispatchMode = _optional("torch.utils._python_dispatch", "TorchDispatchMode
 is_traceable_wrapper_subclass = _optional("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
 # The tensors inside an operator's nested arguments and outputs, for the activation probes.
 tree_leaves = _optional("torch.utils._pytree", "tree_leaves")
+# The operators a compiled graph calls around its subgraphs (recomputation's run_and_save_rng_state):
+# the communication ledger lets them through.
+HigherOrderOperator = _optional("torch._ops", "HigherOrderOperator")
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:
@@ -76,6 +79,14 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set:
 def current_graph_task_id() -> int:
     # -1 outside backward: MoE statistics skip the forwards recomputation repeats in backward (models/moe.py).
     return torch._C._current_graph_task_id()
+
+
+def compile_seconds() -> float:
+    # Seconds torch.compile has spent in this process so far (Dynamo frames and the lazily compiled
+    # backward graphs), for the compile time the trainer reports (train/trainer.py). Imports Dynamo.
+    from torch._dynamo.utils import calculate_time_spent
+
+    return calculate_time_spent().get("total_wall_time", 0.0)
 
 
 def has_grouped_mm() -> bool:

@@ -120,6 +120,12 @@ _PROBE = "src/fivefold/train/pipeline_probe.py"
 _ACTIVATIONS = "src/fivefold/train/activation_probe.py"
 
 
+def _compile_seconds_readable() -> bool:
+    from torch._dynamo.utils import calculate_time_spent
+
+    return "total_wall_time" in calculate_time_spent()
+
+
 def _checks() -> list[tuple[str, str, str, object]]:
     """(what, what fivefold does with it, where, check returning True when present)."""
     stage = _stage_class
@@ -142,6 +148,8 @@ def _checks() -> list[tuple[str, str, str, object]]:
                        "each stage (memory release, compute clock, activation probe)", f"{_PIPELINE}, {_PROBE}",
                        lambda name=name: hasattr(stage(), name) and _schedules_call(name)))
     checks += [
+        ("torch._dynamo.utils.calculate_time_spent() with 'total_wall_time'", "fivefold reports the compile "
+         "time of train.compile from", "src/fivefold/train/trainer.py", _compile_seconds_readable),
         ("DTensor._local_tensor", "fivefold's pipeline memory release empties", _PIPELINE,
          _dtensor_has_local_tensor),
         ("torch.distributed.tensor._utils.compute_local_shape_and_global_offset(global_shape, mesh, "

@@ -118,7 +118,7 @@ def pipeline_peak_bytes(par, batch: torch.Tensor, n_micro: int, autocast) -> tup
             for name, method in methods.items():
                 wrap_stage_method(stage, name, lambda _, original=method: original)
     peak, trace = probe.peak, probe.trace
-    del probe
+    probe = None  # the probe holds every sampled tensor: let it go before zero_grad
     for part in par.parts:
         part.zero_grad(set_to_none=True)
     return peak, trace

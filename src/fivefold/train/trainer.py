@@ -21,6 +21,7 @@ from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
+from fivefold.plan.compile_choice import choose_compile
 from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
 from fivefold.train import checkpoint, export, faults, hangs, observe, preemption
@@ -85,6 +86,23 @@ def initial_weights(cfg: Config):
     return initial_values(cfg.model, cfg.train.seed)
 
 
+class CompileClock:
+    """The seconds torch.compile spends between two calls of `spent()` (its graphs compile inside
+    the first step: the forward when a block first runs, the backward when it first runs)."""
+
+    def __init__(self):
+        from fivefold.torch_internals import compile_seconds
+
+        self._read = compile_seconds
+        self._total, self.last, self.times = compile_seconds(), 0.0, 0
+
+    def spent(self) -> bool:
+        total = self._read()
+        self.last, self._total = total - self._total, total
+        self.times += self.last > 0
+        return self.last > 0
+
+
 @torch.no_grad()
 def evaluate(par: Parallelized, held_out: GlobalBatches, cfg: Config, device: torch.device) -> float:
     """Mean loss over the first `eval_batches` global batches of the held-out split."""
@@ -116,6 +134,10 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         writer.note(float8.describe(cfg, model_spec(cfg.model), float8.float8_all_gather(cfg, par.dims)))
     if ignored_note(cfg):
         writer.note(ignored_note(cfg))  # options this layout does nothing with, said once
+    compiling = choose_compile(cfg, rt.device.type, torch.get_num_threads())  # parallelize decided the same
+    if compiling.reason:
+        writer.note(compiling.reason)
+    compile_clock = CompileClock() if compiling.compile else None
     resume_from = checkpoint.resolve(cfg)
     if resume_from is not None:  # any saving layout: each rank reads the pieces its layout needs
         checkpoint.load(cfg, resume_from, par, optimizer, scheduler, sampler)
@@ -176,6 +198,10 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
                 # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops; MTP: mtp_loss (not in `loss`)
                 **par.step_metrics,
             }
+            if compile_clock is not None and compile_clock.spent():
+                record["compile_s"] = compile_clock.last
+                writer.note(f"step {step + 1}: torch.compile took {compile_clock.last:.1f} s of the step's "
+                            f"{step_time:.1f} s{' (a recompilation)' if compile_clock.times > 1 else ''}")
             bubble = par.bubble_fraction(step_time)
             if bubble is not None:
                 record["bubble_fraction"] = bubble  # measured: idle share of the pipeline ranks
