@@ -66,7 +66,7 @@ def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: Parall
         from fivefold.parallel.tensor.apply import apply_tensor_parallel
 
         apply_tensor_parallel(part, spec, cfg.model, mesh["tp"], sequence_parallel=cfg.parallel.sp,
-                              keep_shards=keeps_shards(cfg))
+                              keep_shards=keeps_shards(cfg, compile_blocks))
     if dims.ep > 1:
         apply_expert_parallel(part, mesh["ep"], replicas=cfg.parallel.ep_replicas)
     if cfg.train.fp8:  # the dense projections, tensor-parallel or not (parallel/float8.py)
