@@ -156,6 +156,21 @@ def test_sharded_inputs_keep_less(measured):
     assert measured["tp2 none"] < measured["tp2 keep-gathered none"]
 
 
+def test_compiled_blocks_are_planned_keeping_the_gathered_inputs():
+    """Compiled blocks do not save shards (the partitioner decides what is kept): the planner counts
+    the gathered inputs for them, as for sp_keep_gathered, and no backward re-gather."""
+    from fivefold.plan import plan_layout
+    from fivefold.plan.layout import layout_from_config
+
+    def planned(parallel: dict, compile: str):
+        cfg = tiny_config(_with({"tp": 2, **parallel}, compile=compile))
+        return plan_layout(cfg, layout_from_config(cfg), gpu="cpu")
+
+    compiled, kept, sharded = planned({}, "true"), planned({"sp_keep_gathered": True}, "false"), planned({}, "false")
+    assert compiled.memory.activations == kept.memory.activations > sharded.memory.activations
+    assert compiled.comm_bytes["tp"] == kept.comm_bytes["tp"] < sharded.comm_bytes["tp"]
+
+
 def test_measurement_sees_recomputation(measured):
     # The probe is a measurement, not the formula: each mode keeps strictly less.
     for model in ("", "qwen3 ", "qwen3-moe ", "deepseek-v3 "):

@@ -46,6 +46,18 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
 
 def read_hf_config(folder: Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder's config.json, or one sentence saying what is wrong."""
+    return _model_config(folder, read_config_json(folder))
+
+
+def _model_config(folder: Path, hf_cfg: dict) -> ModelConfig:
+    try:
+        return config_from_hf(hf_cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{folder}/{err}") from None
+
+
+def read_config_json(folder: Path) -> dict:
+    """A Hugging Face folder's config.json, parsed, or one sentence saying what is wrong."""
     if not folder.is_dir():
         raise ConfigError(f"{folder} is not a folder; pass a Hugging Face checkpoint folder "
                           "(config.json + *.safetensors)")
@@ -59,10 +71,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         raise ConfigError(f"{folder / 'config.json'} is not valid JSON: {err}") from None
     if not isinstance(hf_cfg, dict):
         raise ConfigError(f"{folder / 'config.json'} must hold a JSON object of model settings")
-    try:
-        return config_from_hf(hf_cfg)
-    except ConfigError as err:
-        raise ConfigError(f"{folder}/{err}") from None
+    return hf_cfg
 
 
 class HFBoxes:
@@ -75,9 +84,11 @@ class HFBoxes:
     def __init__(self, folder, dtype: torch.dtype | None = torch.float32):
         self.folder, self.dtype = Path(folder), dtype
         self._handles: dict[Path, object] = {}
-        self.cfg = read_hf_config(self.folder)
+        hf_cfg = read_config_json(self.folder)
+        self.cfg = _model_config(self.folder, hf_cfg)
         self._where = self._locate()
-        self._mxfp4 = self._quantised()  # weight -> its stored (name, file) pairs: blocks, scales
+        # weight -> its stored (name, file) pairs: blocks, scales
+        self._mxfp4 = self._quantised(hf_cfg.get("quantization_config"))
         self.dequantised = sorted(self._mxfp4)
         self.cfg = model_spec(self.cfg).hf.fit_to_files(self.cfg, set(self._where))
         spec = model_spec(self.cfg)
@@ -138,9 +149,9 @@ class HFBoxes:
                               self.dtype or torch.bfloat16)  # bf16 holds every MXFP4 value exactly
         return self._open(self._where[hf]).get_slice(hf)
 
-    def _quantised(self) -> dict[str, tuple[tuple[str, Path], tuple[str, Path]]]:
-        """In an MXFP4 folder, each `_blocks`/`_scales` pair leaves `_where` for the weight it stores."""
-        quantisation = json.loads((self.folder / "config.json").read_text()).get("quantization_config")
+    def _quantised(self, quantisation) -> dict[str, tuple[tuple[str, Path], tuple[str, Path]]]:
+        """In an MXFP4 folder (config.json's `quantization_config`), each `_blocks`/`_scales` pair
+        leaves `_where` for the weight it stores."""
         if not isinstance(quantisation, dict) or quantisation.get("quant_method") != "mxfp4":
             return {}  # the family's read_config refused any other quantisation already
         pairs = {}

@@ -43,9 +43,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
         dims.warn_if_tp_crosses_nodes(cfg.parallel.gpus_per_node)
     pipeline = Pipeline(model, cfg, spec, mesh["pp"], device) if dims.pp > 1 else None
     parts = pipeline.parts if pipeline is not None else [model]
-    compile_blocks = choose_compile(cfg, device.type, torch.get_num_threads()).compile  # train.compile = auto too
+    compiling = choose_compile(cfg, device.type, torch.get_num_threads())  # train.compile = auto too
     for part in parts:
-        apply_dimensions(part, spec, cfg, dims, mesh, compile_blocks)
+        apply_dimensions(part, spec, cfg, dims, mesh, compiling.compile)
     data_parallel = shard_and_materialize(parts, dims, mesh, cfg, pipeline, device, fill)
     tied_group = None
     loss_fn = LMLoss()
@@ -56,7 +56,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
         pipeline.build_schedule(cfg, loss_fn)
     return Parallelized(parts, dims, mesh, data_parallel, n_params, loss_parallel=dims.tp > 1, device=device,
                         pipeline=pipeline, mtp_depth=cfg.model.mtp_depth, tied_group=tied_group,
-                        step_hooks=step_hooks(parts, cfg), loss_fn=loss_fn)
+                        step_hooks=step_hooks(parts, cfg), loss_fn=loss_fn, compiling=compiling)
 
 
 def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: ParallelDims, mesh,

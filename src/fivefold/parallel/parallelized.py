@@ -23,6 +23,7 @@ from fivefold.parallel.expert.apply import gather_experts
 from fivefold.parallel.loss import LMLoss, lm_loss, trained_positions  # noqa: F401 - lm_loss: its old home
 from fivefold.parallel.pipeline.stages import Pipeline
 from fivefold.parallel.step_hooks import StepHook
+from fivefold.plan.compile_choice import CompileChoice
 
 
 def _future(labels: torch.Tensor) -> dict:
@@ -36,7 +37,8 @@ class Parallelized:
 
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, mesh, data_parallel: DataParallel,
                  n_params: int, loss_parallel: bool, device: torch.device, pipeline: Pipeline | None = None,
-                 mtp_depth: int = 0, tied_group=None, step_hooks: list[StepHook] = (), loss_fn: LMLoss | None = None):
+                 mtp_depth: int = 0, tied_group=None, step_hooks: list[StepHook] = (), loss_fn: LMLoss | None = None,
+                 compiling: CompileChoice = CompileChoice(False, "")):
         # parts: the model, or under pipeline parallelism the stages this rank runs.
         self.parts, self.dims, self.mesh, self.pipeline = parts, dims, mesh, pipeline
         self.device = device  # where the collectives of host numbers run (parallel/collectives.py)
@@ -59,6 +61,7 @@ class Parallelized:
         self.n_micro = 0  # micro-batches of the last forward_backward
         self.loss_fn = loss_fn or LMLoss()  # the pipeline's schedule holds the same object
         self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.compiling = compiling  # whether the blocks were compiled, and for train.compile=auto why
 
     def _loss_context(self):
         if self._loss_parallel:

@@ -187,13 +187,19 @@ def fivefold_attention_bytes(stats: ModelStats, layout: Layout, seq_len: int, re
     return attention
 
 
+def keeps_gathered(workload: Workload, runtime: Runtime) -> bool:
+    """Whether the matmuls reading the gathered sequence keep it whole (else, with sp and no
+    recomputation, its shard): parallel.sp_keep_gathered, or compiled blocks."""
+    return workload.keep_gathered or not runtime.regathers_inputs
+
+
 def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recompute: str,
                            hw: Hardware, runtime: Runtime) -> float:
     """Bytes one layer keeps per token of one micro-batch, in the runtime's recipe."""
     stats, seq = workload.stats, workload.seq_len
     if runtime.activation_recipe == "fivefold":
         return fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
-                                    hw.fuses_attention(stats), workload.keep_gathered)
+                                    hw.fuses_attention(stats), keeps_gathered(workload, runtime))
     return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fuses_attention(stats))
             * workload.precision.act_bytes)
 
@@ -208,7 +214,7 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
         # norm input and x·rstd, rstd, the output layer's input (gathered under sp: its shard
         # where parallel/tensor/sharded_inputs.py applies); the fp32 log-softmax of the vocab-parallel logits; in
         # backward their fp32 and A gradients.
-        sharded = s > 1 and layout.recompute == "none" and not workload.keep_gathered
+        sharded = s > 1 and layout.recompute == "none" and not keeps_gathered(workload, runtime)
         norm = 2 * stats.dim / s * pr.param_bytes + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
         return norm, 4 * vocab + 8, (4 + pr.act_bytes) * vocab  # + the int64 labels
     return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from fivefold.plan import comm
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
-from fivefold.plan.activations import rank_activation_elements
+from fivefold.plan.activations import keeps_gathered, rank_activation_elements
 from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_param_counts, root_params,
                                   worst_rank_memory)
 from fivefold.plan.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
@@ -131,7 +131,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     heads = prank.has_output * (1 + stats.mtp_depth)
     n_tp = 8 * n_layers - (4 if layout.sp else 2) * n_moe + 2 * heads
     if (runtime.activation_recipe == "fivefold" and layout.tp > 1 and layout.sp and layout.recompute == "none"
-            and not workload.keep_gathered):
+            and not keeps_gathered(workload, runtime)):
         # Backward gathers each gathered input again from the shard its matmuls kept
         # (parallel/tensor/sharded_inputs.py): attention's, a dense MLP's and the output layer's. (The
         # nanotron profile's constants were fitted on its runs as they are.)

@@ -116,6 +116,10 @@ class Runtime:
     # 'nanotron' recipe: bytes per logit element held at the loss: bf16 logits (2), the fp32 copy
     # the softmax works on (4), and its fp32 gradient (4).
     logits_bytes_per_element: float = 10.0
+    # 'fivefold' recipe, sp without recomputation: the matmuls reading the gathered sequence keep
+    # its shard and gather it again in backward (parallel/tensor/sharded_inputs.py). Compiled
+    # blocks do not: they keep what the partitioner keeps, the gathered input.
+    regathers_inputs: bool = True
     # Kernel launches. The host issues one layer's forward + backward as `kernels_per_layer`
     # kernels (a count of the ops of an eager Llama block: norms, projections, RoPE, attention,
     # SwiGLU, residuals, casts, and their backward), each costing `launch_s` of host time
@@ -171,7 +175,8 @@ class Runtime:
 FIVEFOLD_EAGER = Runtime()
 # fivefold with train.compile: Inductor fuses the elementwise chains (fewer passes over memory,
 # fewer and longer kernels).
-FIVEFOLD_COMPILED = dataclasses.replace(FIVEFOLD_EAGER, elementwise_passes=3.1, kernels_per_layer=40)
+FIVEFOLD_COMPILED = dataclasses.replace(FIVEFOLD_EAGER, elementwise_passes=3.1, kernels_per_layer=40,
+                                        regathers_inputs=False)
 DEFAULT_RUNTIME = FIVEFOLD_EAGER
 # The Playbook's runs were made with nanotron: its activations, async TP linear (part of the tp
 # traffic hidden), fp32 gradient buffers reduced after the last backward, and its own host costs

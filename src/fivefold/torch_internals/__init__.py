@@ -158,6 +158,22 @@ def resolve_process_group(name: str):
     return _resolve_process_group(name)
 
 
+def process_groups() -> list:
+    # Every process group this rank holds: what tests/layouts.py releases after each layout.
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_map)
+
+
+def forget_dtensor_shardings() -> None:
+    # DTensor caches each operator's output sharding by its inputs' specs, and a DeviceMesh equals any
+    # mesh of the same shape: once a layout's groups are destroyed, the next layout's equal mesh would
+    # be handed cached specs naming the destroyed groups. Torch's own DTensor tests clear it so.
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 def flight_recorder() -> tuple[list[dict], dict[str, list[int]]]:
     # The collectives this rank issued (TORCH_FR_BUFFER_SIZE) and each group's global ranks by the name
     # the entries give it: what train/hangs.py compares across ranks after a timeout.

@@ -11,7 +11,8 @@ import torch
 from fivefold.torch_internals import (ATEN_OPS, C10D_FUNCTIONAL_OPS, STAGE_METHODS, TorchDispatchMode, _Absent,
                                      _optional, _sentence, c10d_functional, current_graph_task_id, fake_store_class,
                                      flight_recorder, has_grouped_mm, is_traceable_wrapper_subclass, module_buffers,
-                                     non_persistent_buffer_names, op_schema_name, storage_use_count, tree_leaves)
+                                     non_persistent_buffer_names, op_schema_name, process_groups, storage_use_count,
+                                     tree_leaves)
 
 
 def _sources(cls, member: str) -> str:
@@ -186,6 +187,10 @@ def _checks() -> list[tuple[str, str, str, object]]:
         checks.append((f"torch.ops.aten.{name}", use, where, lambda name=name: hasattr(torch.ops.aten, name)))
     checks.append(("torch._C._distributed_c10d._dump_fr_trace_json, distributed_c10d._world", "fivefold's hang "
                    "diagnosis reads", "src/fivefold/train/hangs.py", lambda: isinstance(flight_recorder()[0], list)))
+    checks.append(("distributed_c10d._world.pg_map and torch.distributed.tensor.debug._clear_sharding_prop_cache",
+                   "the layout tests release each layout's process groups with", "tests/layouts.py",
+                   lambda: isinstance(process_groups(), list) and _imported(
+                       _optional("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"))))
     checks.append(("torch.cuda.memory._record_memory_history and _dump_snapshot", "log.memory_snapshot calls",
                    "src/fivefold/train/observe.py", lambda: all(hasattr(torch.cuda.memory, name) for name in
                                                               ("_record_memory_history", "_dump_snapshot"))))

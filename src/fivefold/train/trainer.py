@@ -21,7 +21,6 @@ from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
-from fivefold.plan.compile_choice import choose_compile
 from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
 from fivefold.train import checkpoint, export, faults, hangs, observe, preemption
@@ -134,7 +133,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         writer.note(float8.describe(cfg, model_spec(cfg.model), float8.float8_all_gather(cfg, par.dims)))
     if ignored_note(cfg):
         writer.note(ignored_note(cfg))  # options this layout does nothing with, said once
-    compiling = choose_compile(cfg, rt.device.type, torch.get_num_threads())  # parallelize decided the same
+    compiling = par.compiling  # parallelize's choice (for train.compile = auto, with its reason)
     if compiling.reason:
         writer.note(compiling.reason)
     compile_clock = CompileClock() if compiling.compile else None
