@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU, < 8 minutes: MFU and tokens/s of llama3-1b at sequence 4096 (bf16), eager / compiled,
-# with and without full recomputation, and the transformers LlamaForCausalLM + AdamW loop on the
-# same shape. Writes benchmarks/gpu_results.md (+ .json).
+# One GPU, < 9 minutes: MFU and tokens/s of llama3-1b at sequence 4096 (bf16), eager / compiled,
+# with and without full recomputation, FP8 (torchao tensorwise) against bf16 compiled and eager,
+# compile seconds, and the transformers LlamaForCausalLM + AdamW loop on the same shape. Writes
+# benchmarks/gpu_results.md (+ .json).
 #
 #   bash benchmarks/gpu.sh                 # on a CUDA machine
 #   bash benchmarks/gpu.sh --dry-run       # the same code path, tiny shape, CPU, seconds

@@ -1,8 +1,9 @@
 """One GPU: MFU and tokens/s of a ~1B Llama at sequence 4096, eager/compiled x no/full recomputation
-(bf16), the transformers comparison, and the planner's activation bytes against what the forward
+(bf16), FP8 dense projections (torchao tensorwise) compiled and eager, compile seconds, the
+transformers comparison, and the planner's activation bytes against what the forward
 really keeps on the device; writes a Markdown table and a JSON file.
 
-    bash benchmarks/gpu.sh                  # the real thing on one CUDA device (< 8 minutes)
+    bash benchmarks/gpu.sh                  # the real thing on one CUDA device (< 9 minutes)
     bash benchmarks/gpu.sh --dry-run        # the same code path, a tiny shape on CPU, seconds
 
 Each variant runs in its own subprocess (a failure or an out-of-memory in one does not stop the
@@ -30,20 +31,24 @@ sys.path.insert(0, str(HERE))
 
 from vs_transformers import make_config, transformers_round  # noqa: E402
 
-# Variant name -> (compile, recompute). "transformers" is the HF loop (eager, no recomputation).
-# In the order they run: if the time budget runs out, the compiled+recomputed one is skipped first.
+# Variant name -> (compile, recompute, train.fp8). "transformers" is the HF loop (eager, no
+# recomputation). In the order they run: if the time budget runs out, the last ones are skipped.
 VARIANTS = {
-    "eager": (False, "none"),
+    "eager": (False, "none", ""),
     # Not a speed run: bytes one batch's forward keeps for backward (train/activation_probe.py)
     # under each recomputation mode, beside plan/activations.py's prediction for the same layout.
-    "activations": (False, "none"),
-    "transformers": (False, "none"),
-    "compile": (True, "none"),
-    "eager+recompute": (False, "full"),
-    "compile+recompute": (True, "full"),
+    "activations": (False, "none", ""),
+    "transformers": (False, "none", ""),
+    "compile": (True, "none", ""),
+    # FP8 dense projections (torchao, tensorwise) against the bf16 rows above: compiled, as torchao's
+    # float8 recipes are meant to run (its casts fuse), and eager.
+    "compile+fp8": (True, "none", "tensorwise"),
+    "fp8": (False, "none", "tensorwise"),
+    "eager+recompute": (False, "full", ""),
+    "compile+recompute": (True, "full", ""),
 }
 REAL = dict(preset="llama3-1b", model={}, seq_len=4096, batch=4, steps=12, warmup=4, dtype="bf16",
-            timeout_s=150, budget_s=450)
+            timeout_s=150, budget_s=540)
 DRY = dict(preset=None, model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
                                    vocab_size=256, tie_embeddings=True, rope_theta=10000.0,
                                    rope_scaling=0.0, max_seq_len=256),
@@ -82,18 +87,20 @@ def run_variant(name: str, shape: dict) -> dict:
     from fivefold.train.metrics import peak_flops
     from fivefold.train.trainer import train
 
-    compile_, recompute = VARIANTS[name]
+    compile_, recompute, fp8 = VARIANTS[name]
     cfg = make_config(shape["model"], shape["seq_len"], shape["batch"], shape["steps"], shape["dtype"],
-                      compile=compile_, recompute=recompute, preset=shape["preset"])
+                      compile="true" if compile_ else "false", recompute=recompute, preset=shape["preset"],
+                      fp8=fp8)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokens = shape["batch"] * shape["seq_len"]
     start = time.perf_counter()
     if name == "transformers":
-        step_s = transformers_round(cfg, shape["warmup"], device)[0]
+        step_s, compile_s = transformers_round(cfg, shape["warmup"], device)
         n_params = None
     else:
         result = train(cfg)
         step_s = statistics.median(r["step_time_s"] for r in result.records[shape["warmup"]:])
+        compile_s = sum(r.get("compile_s", 0.0) for r in result.records)
         n_params = result.parallel.n_params
     if n_params is None:  # the same model; count it the way fivefold does (on meta: no memory, no init)
         from fivefold.models import build_meta_model
@@ -104,7 +111,8 @@ def run_variant(name: str, shape: dict) -> dict:
     mfu = model_stats(cfg.model).mfu(shape["seq_len"], tokens / step_s, peak) if peak else None
     mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"variant": name, "tokens_per_sec": tokens / step_s, "step_time_s": step_s, "mfu": mfu,
-            "peak_mem_bytes": mem, "n_params": n_params, "wall_s": time.perf_counter() - start}
+            "peak_mem_bytes": mem, "n_params": n_params, "compile_s": compile_s,
+            "wall_s": time.perf_counter() - start}
 
 
 def machine() -> str:
@@ -118,18 +126,18 @@ def table(rows: list[dict], shape: dict, dry: bool) -> str:
     out = [f"## GPU benchmark — {what}", "",
            f"{machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; seq {shape['seq_len']}, "
            f"batch {shape['batch']}, {shape['dtype']}, median of steps {shape['warmup'] + 1}..{shape['steps']}", "",
-           "| variant | tokens/s | MFU | step (s) | peak mem (GiB) | status |",
-           "|---|---:|---:|---:|---:|---|"]
+           "| variant | tokens/s | MFU | step (s) | peak mem (GiB) | compile (s) | status |",
+           "|---|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         if "error" in row:
-            out.append(f"| {row['variant']} | | | | | {row['error']} |")
+            out.append(f"| {row['variant']} | | | | | | {row['error']} |")
             continue
         if "activations" in row:
             continue  # its own table below
         mfu = f"{row['mfu'] * 100:.1f}%" if row["mfu"] is not None else "n/a"
         mem = f"{row['peak_mem_bytes'] / 2**30:.1f}" if row["peak_mem_bytes"] else "n/a"
         out.append(f"| {row['variant']} | {row['tokens_per_sec']:.0f} | {mfu} | {row['step_time_s']:.3f} "
-                   f"| {mem} | ok ({row['wall_s']:.0f} s) |")
+                   f"| {mem} | {row['compile_s']:.1f} | ok ({row['wall_s']:.0f} s) |")
     for row in rows:
         if "activations" in row:
             out += ["", "Activation bytes one batch's forward keeps (measured) vs the planner:", "",
@@ -146,6 +154,9 @@ def table(rows: list[dict], shape: dict, dry: bool) -> str:
                         f"{best['tokens_per_sec'] / by['transformers']['tokens_per_sec']:.2f}x"
                         + (f"; eager / transformers: {by['eager']['tokens_per_sec'] / by['transformers']['tokens_per_sec']:.2f}x"
                            if "eager" in by else "")]
+    for fp8, bf16 in (("compile+fp8", "compile"), ("fp8", "eager")):
+        if fp8 in by and bf16 in by:
+            out.append(f"{fp8} / {bf16} tokens/s: {by[fp8]['tokens_per_sec'] / by[bf16]['tokens_per_sec']:.2f}x")
     return "\n".join(out) + "\n"
 
 

@@ -20,6 +20,8 @@ Settings:
   parallelism (picotron's tp all-reduces), no gradient clipping, the same micro-batches, 1F1B.
 - `default`: each as it ships: fivefold's defaults (sequence parallelism on, clipping at 1.0),
   picotron's (the same as above: it has no other).
+- `compiled` (not in the default list): `identical` with `train.compile = true` (Inductor blocks;
+  the compile time falls in the warm-up steps, which are not timed).
 Both: fp32, dim 256, 4 layers, 8 heads (4 KV), FFN 768, vocab 256, untied output, seq 256, global
 batch 8 (micro-batches of 2 under pp: 4 per step), the same random token batches.
 
@@ -63,9 +65,11 @@ def fivefold_config(layout: dict, settings: str, steps: int):
     parallel = {"dp": layout.get("dp", 1), "tp": layout.get("tp", 1), "pp": layout.get("pp", 1)}
     train = {"seq_len": SEQ, "global_batch": BATCH, "micro_batch": micro_batch(layout), "steps": steps,
              "warmup": 2, "eval_every": 0, "schedule": "constant", "lr": 3e-4}
-    if settings == "identical":
+    if settings in ("identical", "compiled"):
         parallel["sp"] = False
         train["grad_clip"] = 0.0
+    if settings == "compiled":
+        train["compile"] = "true"
     return load_config(None, {"model": dict(SHAPE), "parallel": parallel, "train": train,
                               "log": {"progress": False, "every": 10**9}})
 

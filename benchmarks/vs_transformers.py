@@ -53,7 +53,8 @@ CPU_SHAPE = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, voca
 
 
 def make_config(model: dict, seq_len: int, batch: int, steps: int, dtype: str = "fp32",
-                compile: bool = False, recompute: str = "none", preset: str | None = None) -> Config:
+                compile: bool = False, recompute: str = "none", preset: str | None = None,
+                fp8: str = "") -> Config:
     model = dict(model)
     if preset:
         model["preset"] = preset
@@ -61,7 +62,7 @@ def make_config(model: dict, seq_len: int, batch: int, steps: int, dtype: str = 
         "model": model,
         "train": {"seq_len": seq_len, "global_batch": batch, "micro_batch": batch, "steps": steps,
                   "warmup": 2, "eval_every": 0, "dtype": dtype, "compile": compile,
-                  "recompute": recompute, "schedule": "constant"},
+                  "recompute": recompute, "schedule": "constant", "fp8": fp8},
         "log": {"progress": False, "every": 10**9},
     })
 

@@ -1,6 +1,7 @@
 """`fivefold train ... --parallel.auto true` (and `--KEY auto`): the planner's top pick among the
 layouts the training code accepts is what gets trained."""
 
+import dataclasses
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import pytest
 from fivefold.cli import commands as cli
 from fivefold.config import ConfigError, load_config
 from fivefold.plan import auto
-from fivefold.plan.hardware import DEFAULT_RUNTIME
+from fivefold.plan.hardware import DEFAULT_RUNTIME, runtime_for
 from fivefold.plan.layout import config_with_layout, layout_from_config
 from fivefold.plan.search import search, without_ignored
 from fivefold.plan.workload import workload_from_config
@@ -56,6 +57,25 @@ def test_auto_true_trains_the_planners_top_valid_layout(config, world):
         assert choice.runner_up.layout != best and "best: " in choice.best.why
 
 
+def test_sequence_parallelism_is_chosen_by_speed_when_memory_allows():
+    """tiny.toml trains tp=2 with sp on. Eager, sp costs a backward re-gather per sub-layer and saves
+    activation memory the tiny model does not need: `--parallel.sp auto` turns it off, and says
+    so as an override the config accepts. Compiled blocks re-gather nothing: sp stays."""
+    cfg, hw, free, choice = _choose("tiny", ["--train.micro_batch", "2", "--parallel.sp", "auto"], 4)
+    assert free == {"sp"} and choice.best.layout.tp == 2 and choice.best.layout.sp is False
+    overrides = auto.as_overrides(choice.best.layout, free)
+    assert overrides == ["--parallel.sp", "False"] and load_config("tiny", overrides).parallel.sp is False
+    with_sp = [e for e in choice.valid if e.layout.sp and
+               dataclasses.replace(e.layout, sp=False) == choice.best.layout]
+    assert with_sp and with_sp[0].step_time_s > choice.best.step_time_s
+    assert with_sp[0].memory.activations < choice.best.memory.activations  # what sp buys
+
+    compiled = search(auto.planning_config(cfg), workload_from_config(cfg), hw, runtime_for(True), 4).ranked
+    twins = {e.layout.sp: e for e in compiled if dataclasses.replace(e.layout, sp=False) == choice.best.layout}
+    assert twins[True].step_time_s <= twins[False].step_time_s  # sp also splits the norms' work over tp
+    assert compiled.index(twins[True]) < compiled.index(twins[False])
+
+
 def test_single_auto_key_keeps_every_other_key_as_given():
     # tiny.toml says dp=2 tp=2 zero=1; only pp is left to the planner (8 ranks: pp must be 2).
     cfg, hw, free, choice = _choose("tiny", ["--train.micro_batch", "2", "--parallel.pp", "auto"], 8)
@@ -64,8 +84,8 @@ def test_single_auto_key_keeps_every_other_key_as_given():
     assert (best.dp, best.tp, best.pp, best.zero, best.mbs, best.recompute) == (2, 2, 2, 1, 2, "none")
     assert auto.as_overrides(best, free) == ["--parallel.pp", "2"]
     ranked = search(auto.planning_config(cfg), workload_from_config(cfg), hw, DEFAULT_RUNTIME, 8).ranked
-    same = [e.layout for e in ranked if (e.layout.dp, e.layout.tp, e.layout.zero, e.layout.mbs,
-                                          e.layout.pp_schedule, e.layout.recompute) == (2, 2, 1, 2, "1f1b", "none")]
+    same = [e.layout for e in ranked if (e.layout.dp, e.layout.tp, e.layout.zero, e.layout.mbs, e.layout.pp_schedule,
+                                          e.layout.recompute, e.layout.sp) == (2, 2, 1, 2, "1f1b", "none", cfg.parallel.sp)]
     assert same and best == same[0]
     # train.micro_batch left unset (one micro-batch per step) would starve any pipeline: it is chosen too.
     _, _, _, choice = _choose("tiny", ["--parallel.pp", "auto"], 8)

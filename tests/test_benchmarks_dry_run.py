@@ -23,18 +23,19 @@ def test_gpu_script_dry_run_writes_a_table(tmp_path):
     # path (a subprocess per variant, the fivefold trainer with recomputation, the transformers
     # loop, the table, the JSON).
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run",
-                           "--variants", "eager+recompute,transformers,activations", "--out", str(out)],
+                           "--variants", "eager+recompute,transformers,activations,fp8", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = out.read_text()
     assert "| eager+recompute |" in text and "| transformers |" in text
     assert "/ transformers tokens/s" in text
     data = json.loads(out.with_suffix(".json").read_text())
-    assert [r["variant"] for r in data["rows"]] == ["eager+recompute", "transformers", "activations"]
+    assert [r["variant"] for r in data["rows"]] == ["eager+recompute", "transformers", "activations", "fp8"]
     for row in data["rows"]:
         assert "error" not in row, row
-    for row in data["rows"][:2]:
+    for row in data["rows"][:2] + data["rows"][3:]:
         assert row["tokens_per_sec"] > 0 and row["n_params"] > 0
+    assert "| fp8 |" in text
     kept = {a["recompute"]: a["measured_bytes"] for a in data["rows"][2]["activations"]}
     assert kept["none"] > kept["selective"] > kept["full"] > 0
     assert "| selective |" in text

@@ -17,6 +17,11 @@ TP2_LAYOUTS = [
     # The gathered inputs kept for backward instead of their shards (parallel/tensor/sharded_inputs.py).
     {"parallel": {"tp": 2, "sp_keep_gathered": True}},
 ]
+# Inductor blocks under tp2 + sp (the tp collectives outside the graphs): against the eager single
+# process, as tests/test_data_parallel.py's dp2. Compiled blocks keep the gathered inputs (no
+# backward re-gather), so the ledger sees the sp_keep_gathered layout's traffic.
+INDUCTOR_TP2 = {"parallel": {"tp": 2, "sp": True}, "train": {"compile": True}}
+KEEP_GATHERED = 4  # TP2_LAYOUTS' index of the sp_keep_gathered layout
 FOUR_RANK_LAYOUTS = [
     {"parallel": {"tp": 4}, "model": {"n_kv_heads": 4}},  # tp must divide the kv heads
     # Selective recomputation at tp4 checkpoints each residual branch apart and keeps the output
@@ -42,7 +47,7 @@ BF16 = {"parallel": {"dp": 2, "tp": 2, "zero": 1}, "train": {"dtype": "bf16"}}
 
 @pytest.fixture(scope="module")
 def tp2_results():
-    return run_on_ranks(2, run_layouts, TP2_LAYOUTS)
+    return run_on_ranks(2, run_layouts, [*TP2_LAYOUTS, INDUCTOR_TP2])
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +69,16 @@ def test_four_ranks(four_rank_results, index):
     want = reference(layout)
     for rank, results in enumerate(four_rank_results):
         assert_same_run(results[index], want, label=f"{layout} rank {rank}")
+
+
+def test_inductor_compiled_tp2_matches_the_eager_single_process(tp2_results):
+    assert TP2_LAYOUTS[KEEP_GATHERED]["parallel"].get("sp_keep_gathered")
+    want = reference({"parallel": INDUCTOR_TP2["parallel"]})  # eager: train.compile left out
+    for rank, results in enumerate(tp2_results):
+        got = results[len(TP2_LAYOUTS)]
+        assert_same_run(got, want, label=f"Inductor tp2 rank {rank}")
+        assert got.compile_s > 0 and want.compile_s == 0  # the blocks really ran compiled
+        assert got.comm == results[KEEP_GATHERED].comm != results[0].comm
 
 
 def test_tp_shards_differ_across_ranks(tp2_results):

@@ -32,7 +32,7 @@ GB = 1e9
 # The keys a user may leave to the planner -> the Layout field each one sets.
 AUTO_KEYS = {"parallel.dp": "dp", "parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp",
              "parallel.ep": "ep", "parallel.zero": "zero", "parallel.pp_schedule": "pp_schedule",
-             "parallel.pp_virtual": "pp_virtual", "train.micro_batch": "mbs",
+             "parallel.pp_virtual": "pp_virtual", "parallel.sp": "sp", "train.micro_batch": "mbs",
              "train.recompute": "recompute"}
 _FIELD_KEYS = {f: k for k, f in AUTO_KEYS.items()}
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")  # config/schema.py's booleans

@@ -10,6 +10,7 @@ construction and validates only its winners with the training code's full rules.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -179,10 +180,14 @@ def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node:
     for dp, tp, pp, cp, ep in degree_choices(cfg, workload, gpus, gpus_per_node, fixed):
         per_rank = workload.global_batch // dp
         mbss = [fixed["mbs"] or per_rank] if "mbs" in fixed else _powers_of_two_dividing(per_rank, 8)
-        for mbs in mbss:
+        # Sequence parallelism saves activation memory and, eager, costs a backward re-gather per
+        # sub-layer (plan/estimate.py); on gloo its reduce-scatters cost more too
+        # (benchmarks/vs_picotron.py): both are candidates, sp first (less memory when as fast).
+        sps = field_options("sp", fixed, (True, False)) if tp > 1 else [False]
+        for mbs, sp in itertools.product(mbss, sps):
             for sched, virtual in _schedules(pp, fixed):
                 one = dataclasses.replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, pp_schedule=sched,
-                                          pp_virtual=virtual, sp=base.sp and tp > 1)
+                                          pp_virtual=virtual, sp=sp and tp > 1)
                 # One of each set of twins: ZeRO stages that change nothing (dp·cp = 1) are one layout.
                 distinct = {without_ignored(dataclasses.replace(one, zero=z)).zero for z in (0, 1, 2, 3)}
                 zeros = field_options("zero", fixed, sorted(distinct))
