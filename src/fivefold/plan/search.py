@@ -181,8 +181,8 @@ def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node:
         per_rank = workload.global_batch // dp
         mbss = [fixed["mbs"] or per_rank] if "mbs" in fixed else _powers_of_two_dividing(per_rank, 8)
         # Sequence parallelism saves activation memory and, eager, costs a backward re-gather per
-        # sub-layer (plan/estimate.py); on gloo its reduce-scatters cost more too
-        # (benchmarks/vs_picotron.py): both are candidates, sp first (less memory when as fast).
+        # sub-layer (counted in plan/estimate.py; gloo's slower reduce-scatters are not, see
+        # benchmarks/vs_picotron.py): both are candidates, sp first (less memory when as fast).
         sps = field_options("sp", fixed, (True, False)) if tp > 1 else [False]
         for mbs, sp in itertools.product(mbss, sps):
             for sched, virtual in _schedules(pp, fixed):
