@@ -6,8 +6,9 @@ run of equal ids. Query i may see key j when j <= i and both lie in the same doc
 causal mask cut into blocks along the diagonal, one per document.
 
 Kernels: on CUDA FlexAttention with a block mask (compiled; blocks of keys outside the query's
-document are never computed); elsewhere PyTorch's attention with a boolean (batch, 1, seq, seq)
-mask, which is correct on every device and materialises the mask.
+document are never computed); elsewhere the blockwise attention of models/masked_attention.py
+(blocks outside the documents skipped, a block-sized mask where a document boundary crosses a
+block, never a (seq, seq) tensor). `document_causal_mask` is the quadratic reference (tests).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
+
+from fivefold.models.masked_attention import masked_attention
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
@@ -79,5 +81,4 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     boundary; K/V may have fewer heads (GQA) and V another head dim (Multi-head Latent Attention)."""
     if use_flex_attention(q):
         return flex_document_attention(q, k, v, documents)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(documents),
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return masked_attention(q, k, v, documents=documents)

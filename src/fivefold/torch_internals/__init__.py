@@ -100,14 +100,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 # Private aten operators fivefold calls or recognises by identity: name -> (what for, where).
-_BLOCKS, _RECOMPUTE = "src/fivefold/parallel/context/blocks.py", "src/fivefold/parallel/recompute.py"
+_BLOCKS, _RECOMPUTE = "src/fivefold/models/attention_blocks.py", "src/fivefold/parallel/recompute.py"
 ATEN_OPS = {
-    "_scaled_dot_product_efficient_attention": ("context parallelism's CUDA blocks call (and selective "
+    "_scaled_dot_product_efficient_attention": ("blockwise attention's CUDA blocks call (and selective "
                                                 "recomputation keeps)", f"{_BLOCKS}, {_RECOMPUTE}"),
-    "_scaled_dot_product_efficient_attention_backward": ("context parallelism's CUDA blocks call", _BLOCKS),
-    "_scaled_dot_product_flash_attention_for_cpu": ("context parallelism's CPU blocks call (and selective "
+    "_scaled_dot_product_efficient_attention_backward": ("blockwise attention's CUDA blocks call", _BLOCKS),
+    "_scaled_dot_product_flash_attention_for_cpu": ("blockwise attention's CPU blocks call (and selective "
                                                     "recomputation keeps)", f"{_BLOCKS}, {_RECOMPUTE}"),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": ("context parallelism's CPU blocks call", _BLOCKS),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": ("blockwise attention's CPU blocks call", _BLOCKS),
     "_scaled_dot_product_flash_attention": ("selective recomputation keeps (SDPA's CUDA kernel)", _RECOMPUTE),
     "_grouped_mm": ("selective recomputation keeps (the experts' matmuls)", _RECOMPUTE),
     "_to_copy": ("the activation probe recognises a weight's cast by", "src/fivefold/train/activation_probe.py"),
