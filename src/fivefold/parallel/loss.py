@@ -9,40 +9,95 @@ mask each micro-batch's loss is the *sum* over its trained positions times one f
 step, (micro-batches · ranks the mean is later taken over) / (trained positions of the global
 batch): the same averaging then yields the global batch's mean over its trained tokens, in every
 layout, with the same gradient arithmetic as before.
+
+Both are computed chunk by chunk over the tokens (models/cross_entropy.py): no fp32 copy, log-softmax
+or gradient of the whole micro-batch's logits is ever held, and the gradient is written into the
+logits' own storage (the training step's model output, read by nothing else). Under tensor
+parallelism the logits are a DTensor sharded on the vocabulary (parallel/tensor/layers.py
+VocabParallelOutput): each tp rank computes on its own columns and the per-token log-sum-exp and
+target logit are combined over the tp group (one max and one sum of a few floats per token), the
+vocabulary-parallel cross-entropy, without gathering the logits. Any other layout of logits falls
+back to F.cross_entropy (under `loss_parallel` where the caller set it).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
-IGNORE = -100  # the label of a position that is not trained (F.cross_entropy's default ignore_index)
+from fivefold.models.cross_entropy import IGNORE, chunked_cross_entropy
+from fivefold.torch_internals import c10d_functional as _c10d
+
+__all__ = ["IGNORE", "LMLoss", "cross_entropy", "lm_loss", "trained_positions"]
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
+                  overwrite: bool = False) -> torch.Tensor:
+    """F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction) over the flattened
+    tokens, chunked (models/cross_entropy.py), vocabulary-parallel on logits sharded over the
+    vocabulary. `overwrite`: the logits may take their gradient in place (module doc)."""
+    if isinstance(logits, DTensor):
+        shard = VocabShard.of(logits)
+        if shard is None:  # not a 1-D vocabulary split: the DTensor's own cross-entropy
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
+                                   reduction=reduction)
+        return chunked_cross_entropy(logits.to_local(), labels, reduction, overwrite=overwrite, shard=shard)
+    return chunked_cross_entropy(logits, labels, reduction, overwrite=overwrite)
+
+
+class VocabShard:
+    """This rank's columns of logits split evenly over the vocabulary on a 1-D mesh (the tp group),
+    and the reductions over that group the chunked cross-entropy needs."""
+
+    def __init__(self, first: int, group_name: str):
+        self.first, self.group_name = first, group_name
+
+    @staticmethod
+    def of(logits: DTensor) -> "VocabShard | None":
+        mesh, placements = logits.device_mesh, logits.placements
+        if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
+            return None
+        if placements[0].dim % logits.ndim != logits.ndim - 1 or logits.shape[-1] % mesh.size():
+            return None
+        local = logits.shape[-1] // mesh.size()
+        return VocabShard(mesh.get_local_rank() * local, mesh.get_group().group_name)
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "max", self.group_name))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "sum", self.group_name))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
     """Mean next-token cross-entropy over every position (fp32 for a stable log-softmax). Labels
     (batch, seq, 1 + mtp_depth) carry multi-token prediction's targets too (models/mtp.py): the
     LM labels are their first column."""
     if labels.dim() == 3:
         labels = labels[..., 0]
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    return cross_entropy(logits, labels, overwrite=overwrite)
 
 
 class LMLoss:
     """`lm_loss`, or under a loss mask the scaled sum over trained positions (`scale` set per step
     by Parallelized; None = plain text). One object, given to the pipeline schedule too, so both
-    paths read the same factor."""
+    paths read the same factor.
 
-    def __init__(self):
+    `overwrite`: the logits it is given are a step's model output that nothing reads after the loss,
+    so their storage takes their gradient (parallel/loss.py module doc); Parallelized and the
+    pipeline's last stage hand it exactly that."""
+
+    def __init__(self, overwrite: bool = True):
         self.scale: float | None = None
+        self.overwrite = overwrite
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
-            return lm_loss(logits, labels)
+            return lm_loss(logits, labels, self.overwrite)
         if labels.dim() == 3:
             labels = labels[..., 0]
-        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-        return total * self.scale
+        return cross_entropy(logits, labels, "sum", self.overwrite) * self.scale
 
 
 def trained_positions(windows) -> int | None:
