@@ -87,8 +87,11 @@ def document_block(q_documents: torch.Tensor, k_documents: torch.Tensor, causal:
 
 def block_forward(q, k, v, causal: bool, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output fp32 (b, h, Lq, d), LSE fp32 (b, h, Lq)) of softmax(q kᵀ·scale) v over this block;
-    `mask` (b, Lq, Lk), when given, hides the pairs where it is False (plain PyTorch only)."""
+    `mask` (b, Lq, Lk), when given, hides the pairs where it is False (CPU's flash kernel takes it
+    as an additive mask; plain PyTorch elsewhere)."""
     if mask is not None:
+        if use_cpu_flash_kernel(q, v):
+            return _cpu_flash_forward(q, k, v, causal, scale, mask)
         return _math_forward(q, k, v, causal, scale, mask)
     if use_fused_kernel(q):
         return _fused_forward(q, k, v, causal, scale)
@@ -101,6 +104,8 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=Non
     """(dq, dk, dv) in fp32 of this block's share of attention, given the final out and LSE of
     these query rows (so probabilities are exp(score - LSE), already normalised over every block)."""
     if mask is not None:
+        if use_cpu_flash_kernel(q, v):
+            return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask)
         return _math_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if use_fused_kernel(q):
         return _fused_backward(dout, q, k, v, out, lse, causal, scale)
@@ -239,19 +244,38 @@ def _kv_sum(grad, kv_heads: int):
     return grad.unflatten(1, (kv_heads, grad.shape[1] // kv_heads)).sum(2)
 
 
-def _cpu_flash_forward(q, k, v, causal, scale):
+def _additive(mask, causal: bool):
+    """A (b, Lq, Lk) bool mask as the kernel's additive (b, 1, Lq, Lk) fp32 one (0 or −inf), the
+    causal triangle folded in (the kernel is called without its causal flag then)."""
+    if causal:
+        mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask, bias.unsqueeze(1)
+
+
+def _cpu_flash_forward(q, k, v, causal, scale, mask=None):
     k, v = _expand_kv(k.float(), v.float(), q.shape[1])
+    bias = None
+    if mask is not None:
+        mask, bias = _additive(mask, causal)
+        causal = False
     out, lse = aten_op("_scaled_dot_product_flash_attention_for_cpu")(
-        q.float(), k, v, 0.0, causal, scale=scale)
+        q.float(), k, v, 0.0, causal, attn_mask=bias, scale=scale)
     # Copies: callers merge into these in place, and selective recomputation may keep the kernel's own.
-    return out.clone(memory_format=torch.contiguous_format), lse.clone()
+    out, lse = out.clone(memory_format=torch.contiguous_format), lse.clone()
+    if mask is not None:  # the kernel gives a row that sees no key output 0 but LSE 0: make it −inf
+        lse.masked_fill_(~mask.any(-1).unsqueeze(1), float("-inf"))
+    return out, lse
 
 
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     kv_heads = k.shape[1]
     k, v = _expand_kv(k.float(), v.float(), q.shape[1])
+    bias = None
+    if mask is not None:
+        bias, causal = _additive(mask, causal)[1], False
     dq, dk, dv = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")(
-        dout.float(), q.float(), k, v, out.float(), lse.float(), 0.0, causal, scale=scale)
+        dout.float(), q.float(), k, v, out.float(), lse.float(), 0.0, causal, attn_mask=bias, scale=scale)
     return dq, _kv_sum(dk, kv_heads), _kv_sum(dv, kv_heads)
 
 
@@ -336,11 +360,12 @@ def window_tiles(block: Block, window: int) -> list[Block] | None:
 
 
 def visible_parts(block: Block, window: int, device, q_documents=None, k_documents=None,
-                  counts: Counter | None = None) -> list[tuple[Block, torch.Tensor | None]]:
+                  counts: Counter | None = None, tiles: bool = True) -> list[tuple[Block, torch.Tensor | None]]:
     """The parts of `block` to compute, each with its (b or 1, rows, cols) mask or None, under the
     window (0: none) and document masking (`q_documents` (b, L) of the local rows, `k_documents`
     (b, Lk) of the key tensor's columns, or None); [] when no query sees a key of the block.
-    `counts` tallies the blocks computed and skipped (a block computed in tiles counts once)."""
+    `counts` tallies the blocks computed and skipped (a block computed in tiles counts once).
+    `tiles=False`: a block the window crosses stays one masked part (for a kernel that takes masks)."""
     window_mask, whole = None, block
     if window:
         block, window_mask = trim_to_window(block, window, device)
@@ -357,10 +382,10 @@ def visible_parts(block: Block, window: int, device, q_documents=None, k_documen
             _count(counts, "outside_documents")
             return []
     _count(counts, "computed")
-    if window_mask is not None and q_documents is None:
-        tiles = window_tiles(whole, window)
-        if tiles is not None:
-            return [(tile, None) for tile in tiles]
+    if window_mask is not None and q_documents is None and tiles:
+        cut = window_tiles(whole, window)
+        if cut is not None:
+            return [(tile, None) for tile in cut]
     return [(block, mask)]
 
 

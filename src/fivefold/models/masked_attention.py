@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from fivefold.models.attention_blocks import (Block, add_sinks, merge_rows, part_backward, part_forward, sink_grad,
-                                              visible_parts)
+                                              use_cpu_flash_kernel, visible_parts)
 
 # Positions per block: large enough that a block's kernel call outweighs Python's loop, small
 # enough that a block's transient scores (CHUNK² per head) stay in cache and far below seq².
@@ -90,9 +90,10 @@ def _join_whole(parts: list[tuple[Block, torch.Tensor | None]]) -> list[tuple[Bl
 
 
 def attention_parts(seq: int, window: int, documents: torch.Tensor | None, device,
-                    chunk: int = CHUNK) -> list[tuple[Block, torch.Tensor | None]]:
+                    chunk: int = CHUNK, tiles: bool = True) -> list[tuple[Block, torch.Tensor | None]]:
     """The (block, mask or None) parts of causal attention over `seq` positions under the window
-    (0: none) and documents (batch, seq) or None; every mask is at most (batch, chunk, chunk)."""
+    (0: none) and documents (batch, seq) or None; every mask is at most (batch, chunk, chunk).
+    `tiles`: cut blocks the window crosses into unmasked tiles where it can (else masked blocks)."""
     if window >= seq:
         window = 0
     if not window and documents is None:
@@ -108,8 +109,14 @@ def attention_parts(seq: int, window: int, documents: torch.Tensor | None, devic
         for k_start in range(first_key // chunk * chunk, q_start + 1, chunk):
             k_stop = q_stop if k_start == q_start else k_start + chunk
             block = Block(rows, slice(k_start, k_stop), k_start == q_start, q_start, k_start)
-            parts.extend(visible_parts(block, window, device, documents, documents))
+            parts.extend(visible_parts(block, window, device, documents, documents, tiles=tiles))
     return _join_whole(parts)
+
+
+def _tiles(q, v) -> bool:
+    """Whether to cut windowed blocks into unmasked tiles: not where CPU's flash kernel takes the
+    block's mask itself (one call instead of a few small ones, faster on CPU)."""
+    return not use_cpu_flash_kernel(q, v)
 
 
 class BlockwiseMaskedAttention(torch.autograd.Function):
@@ -118,12 +125,15 @@ class BlockwiseMaskedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, window: int, documents, chunk: int):
         scale = q.shape[-1] ** -0.5
-        parts = attention_parts(q.shape[2], window, documents, q.device, chunk)
-        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        for part, mask in parts:
-            block_out, block_lse = part_forward(q, k, v, part, scale, mask)
-            merge_rows(out, lse, part.rows, block_out, block_lse)
+        parts = attention_parts(q.shape[2], window, documents, q.device, chunk, _tiles(q, v))
+        if len(parts) == 1:  # one causal block over every row: nothing to merge
+            out, lse = part_forward(q, k, v, parts[0][0], scale, parts[0][1])
+        else:
+            out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
+            lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+            for part, mask in parts:
+                block_out, block_lse = part_forward(q, k, v, part, scale, mask)
+                merge_rows(out, lse, part.rows, block_out, block_lse)
         if sinks is not None:
             out, lse = add_sinks(out, lse, sinks)
         out = out.to(q.dtype)
@@ -138,7 +148,7 @@ class BlockwiseMaskedAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        for part, mask in attention_parts(q.shape[2], ctx.window, ctx.documents, q.device, ctx.chunk):
+        for part, mask in attention_parts(q.shape[2], ctx.window, ctx.documents, q.device, ctx.chunk, _tiles(q, v)):
             dq_part, dk_part, dv_part = part_backward(dout, q, k, v, out, lse, part, scale, mask)
             dq[:, :, part.rows] += dq_part
             dk[:, :, part.cols] += dk_part
