@@ -41,9 +41,22 @@ def _row_blocks(local: torch.Tensor):
         yield start, min(step, len(local) - start)
 
 
+def cast_parameters(part: nn.Module, dtype: torch.dtype) -> None:
+    """Give a (meta-device) part's parameters `dtype`; buffers keep theirs (RoPE frequencies and
+    MoE balancing biases stay fp32). In place: parameters keep their identity (ties, references)."""
+    buffers = [(module, name, buf) for module in part.modules() for name, buf in module._buffers.items()
+               if buf is not None]
+    part.to(dtype)
+    for module, name, buf in buffers:
+        module._buffers[name] = buf
+
+
 @torch.no_grad()
-def materialize(parts: list[nn.Module], device: torch.device, fill: Fill, ep_mesh=None) -> None:
-    """Allocate each (meta-device) part's pieces on `device` and fill them."""
+def materialize(parts: list[nn.Module], device: torch.device, fill: Fill, ep_mesh=None,
+                round_params_to: torch.dtype | None = None) -> None:
+    """Allocate each (meta-device) part's pieces on `device` and fill them. `round_params_to`:
+    parameters start from their initial values rounded to that dtype (bf16 runs start from the
+    same bf16 weights in every layout, whether a layout keeps them in bf16 or as fp32 shards)."""
     for part in parts:
         shared = _shared_parameters(part)
         part.to_empty(device=device)
@@ -51,15 +64,20 @@ def materialize(parts: list[nn.Module], device: torch.device, fill: Fill, ep_mes
             module, attr = owners[0]
             for other, other_attr in owners[1:]:
                 setattr(other, other_attr, getattr(module, attr))
+        params = {id(p) for p in part.parameters()}
         for name, tensor in [*part.named_parameters(), *module_persistent_buffers(part).items()]:
             local = local_tensor(tensor)
             offsets, shape = piece_origin(name, tensor, ep_mesh)
+            rounding = round_params_to if id(tensor) in params else None
+
+            def values(box, sizes):
+                value = fill(name, tuple(shape), box, sizes)
+                return value.to(rounding) if rounding is not None else value
             if local.dim() == 0:
-                local.copy_(fill(name, (), (), ()))
+                local.copy_(values((), ()))
                 continue
             for start, rows in _row_blocks(local):
-                box = (offsets[0] + start, *offsets[1:])
-                local[start:start + rows].copy_(fill(name, tuple(shape), box, (rows, *local.shape[1:])))
+                local[start:start + rows].copy_(values((offsets[0] + start, *offsets[1:]), (rows, *local.shape[1:])))
         reset = getattr(part, "reset_computed_buffers", None)
         if reset is not None:
             reset()

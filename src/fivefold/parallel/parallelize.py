@@ -22,7 +22,7 @@ from fivefold.parallel.context.apply import apply_context_parallel
 from fivefold.parallel.data.build import build_data_parallel
 from fivefold.parallel.expert.apply import RouterStep, apply_expert_parallel
 from fivefold.parallel.expert.replicas import ReplicaStep, replica_slots
-from fivefold.parallel.materialize import materialize
+from fivefold.parallel.materialize import cast_parameters, materialize
 from fivefold.parallel.loss import LMLoss
 from fivefold.parallel.parallelized import Parallelized
 from fivefold.parallel.pipeline.stages import Pipeline
@@ -91,11 +91,17 @@ def shard_and_materialize(parts: list[nn.Module], dims: ParallelDims, mesh, cfg:
     # FSDP2 shards meta parameters, then allocates only the shards; the other data-parallel
     # variants build their buckets and master chunks from real, initialised parameters.
     fsdp = cfg.parallel.zero == 3 and dims.dp * dims.cp > 1
+    # bf16: the parameters are bf16 and the fp32 masters live with the optimizer (parallel/data/);
+    # under FSDP2 the parameters are the fp32 master shards and its policy casts them for compute.
+    rounding = torch.bfloat16 if cfg.train.dtype == "bf16" else None
+    if rounding is not None and not fsdp:
+        for part in parts:
+            cast_parameters(part, rounding)
     if not fsdp:
-        materialize(parts, device, fill, ep_mesh)
+        materialize(parts, device, fill, ep_mesh, rounding)
     data_parallel = build_data_parallel(parts, dims, mesh, cfg, pipeline)
     if fsdp:
-        materialize(parts, device, fill, ep_mesh)
+        materialize(parts, device, fill, ep_mesh, rounding)
     return data_parallel
 
 

@@ -202,8 +202,11 @@ class Parallelized:
         from torch.distributed.tensor import DTensor
 
         out = {}
+        masters = self.data_parallel.master_weights()  # bf16 runs: the fp32 masters, not the weights
         for part in self.parts:
             for name, param in part.named_parameters():
+                if id(param) in masters:
+                    param = as_layout_of(masters[id(param)], param)
                 whole = param.full_tensor() if isinstance(param, DTensor) else param
                 whole = gather_experts(name, whole, self.ep_mesh)  # each ep rank holds some experts
                 out[name] = whole.detach().cpu().clone()
@@ -220,6 +223,15 @@ class Parallelized:
         return (f"layout: dp={d.dp} (replicate {d.dp_replicate} x shard {d.dp_shard}) tp={d.tp} "
                 f"pp={d.pp} cp={d.cp} ep={d.ep} | {self.n_params / 1e6:.2f}M parameters | "
                 f"{self.data_parallel.name}")
+
+
+def as_layout_of(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's piece) laid out like `param`: a DTensor with its placements, or itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
 def group_dimensions(mesh) -> dict[str, str]:

@@ -5,12 +5,12 @@ Activations come in two recipes (Runtime.activation_recipe):
 
 'fivefold' — what fivefold's own decoder block (models/decoder.py, every family) keeps, counted
 tensor by tensor on our runs with train/activation_probe.py and checked in
-tests/test_plan_activations.py (fp32 and bf16 autocast, tp/sp, cp, none/selective/full; llama,
+tests/test_plan_activations.py (fp32 and bf16, tp/sp, cp, none/selective/full; llama,
 mixtral, qwen3, qwen3_moe). Per token of one micro-batch, a layer keeps, with S the residual-stream
-bytes (the fp32 weights' dtype), A the compute bytes (bf16 under autocast), s the sequence split (tp
+bytes (the weights' dtype: bf16 under train.dtype = bf16), A the compute bytes, s the sequence split (tp
 under sequence parallelism), t the tp degree, h the model width and q = heads x head_dim the width of
 the queries and of the attention output (h unless head_dim is explicit, as in Qwen3):
-  each RMSNorm: its input and the normalised x·rstd, 2h/s x S, and rstd (fp32, 1/s)
+  each RMSNorm: the fp32 upcast of its input and the normalised x·rstd, 2h/s x 4, and rstd (fp32, 1/s)
   the norm output, cast once to A (models/decoder.py) and saved by the matmuls that read it: h x A,
       full sequence (gathered) under sequence parallelism
   attention: q and k after RoPE, v, the output (q + kv + kv + q)/t x A, logsumexp (fp32 per head);
@@ -65,6 +65,9 @@ from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
 from fivefold.plan.schedule import PipelineRank, in_flight_per_chunk, outputs_held
 from fivefold.plan.workload import Workload
+
+
+NORM_BYTES = 4  # what an RMSNorm keeps per element of its input and of x·rstd: fp32, in every precision
 
 
 def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq_len: int,
@@ -142,7 +145,9 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
         if not stats.is_moe(layer):
             mlp_selective += (stats.ffn_dim / t - h) * A
         return 2 * h / s * S + attention + copy + mlp_selective
-    norms = 2 * (2 * h / s * S + 4 / s + gathered)  # + each output in A, as the matmuls read it
+    # nn.RMSNorm computes in fp32 inside: it keeps the fp32 upcast of its input and x·rstd whatever
+    # the stream's dtype (NORM_BYTES), and rstd.
+    norms = 2 * (2 * h / s * NORM_BYTES + 4 / s + gathered)  # + each output in A, as the matmuls read it
     return norms + attention + mlp
 
 
@@ -212,11 +217,13 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
     vocab = stats.vocab_size / layout.tp
     if runtime.activation_recipe == "fivefold":
         # norm input and x·rstd, rstd, the output layer's input (gathered under sp: its shard
-        # where parallel/tensor/sharded_inputs.py applies); the fp32 log-softmax of the vocab-parallel logits; in
-        # backward their fp32 and A gradients.
+        # where parallel/tensor/sharded_inputs.py applies); the chunked loss (models/cross_entropy.py)
+        # keeps the vocab-parallel logits in their compute dtype, an fp32 log-sum-exp and the int64
+        # label per token, and writes their gradient into the logits' own storage (one chunk's fp32
+        # temporaries at a time: no per-token working memory).
         sharded = s > 1 and layout.recompute == "none" and not keeps_gathered(workload, runtime)
-        norm = 2 * stats.dim / s * pr.param_bytes + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
-        return norm, 4 * vocab + 8, (4 + pr.act_bytes) * vocab  # + the int64 labels
+        norm = 2 * stats.dim / s * NORM_BYTES + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
+        return norm, pr.act_bytes * vocab + 4 + 8, 0.0
     return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0
 
 
@@ -231,7 +238,7 @@ def mtp_block_bytes(workload: Workload, layout: Layout, head_norm: float) -> flo
     stats, pr = workload.stats, workload.precision
     s = layout.tp if (layout.tp > 1 and layout.sp) else 1
     if layout.recompute == "none":
-        return (3 * stats.dim * pr.param_bytes + 2 * stats.dim * pr.act_bytes + 8) / s + head_norm
+        return (3 * stats.dim * NORM_BYTES + 2 * stats.dim * pr.act_bytes + 8) / s + head_norm
     return stats.dim * pr.act_bytes
 
 

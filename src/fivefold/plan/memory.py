@@ -96,11 +96,15 @@ def sharded_params(layout: Layout, dense: float, experts: float) -> float:
 
 
 def master_chunk_bytes(workload: Workload, layout: Layout, dense: float, experts: float) -> float:
-    """The fp32 master copy of the owned chunk that ZeRO-1/2 keep (parallel/data/zero.py): held from
-    construction on, unlike gradients and moments."""
-    if layout.zero not in (1, 2):
+    """fp32 master weights kept apart from the weights (parallel/data/zero.py), held from
+    construction on, unlike gradients and moments: bf16's masters (whole at ZeRO-0, the owned chunk
+    at ZeRO-1/2) and fp32 ZeRO-1/2's copy of its chunk. At ZeRO-3 the fp32 shards are the weights."""
+    pr = workload.precision
+    if layout.zero >= 3:
         return 0.0
-    return workload.precision.shard_master_bytes * sharded_params(layout, dense, experts)
+    if layout.zero == 0:
+        return pr.master_bytes * (dense + experts)
+    return (pr.shard_master_bytes + pr.master_bytes) * sharded_params(layout, dense, experts)
 
 
 def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts: float) -> dict:
@@ -110,11 +114,11 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
     whole = dense + experts
     z = layout.zero
     masters = master_chunk_bytes(workload, layout, dense, experts)
-    # ZeRO-1 keeps the whole gradients until the step and receives its reduced chunk (fp32, the
-    # size of the master chunk) beside them (parallel/data/zero.py); ZeRO-2's chunks are its only gradients.
-    chunk_grads = masters if z == 1 else 0
+    # fp32 ZeRO-1 keeps the whole gradients until the step and receives its reduced chunk beside
+    # them; bf16's chunk gradient is a view of its gradient buffer, ZeRO-2's chunks its only gradients.
+    chunk_grads = pr.shard_master_bytes * sharded if z == 1 else 0
     return {
-        "params": pr.param_bytes * (sharded if z >= 3 else whole),
+        "params": (pr.shard_param_bytes or pr.param_bytes) * sharded if z >= 3 else pr.param_bytes * whole,
         "grads": (pr.grad_bytes + pr.accum_bytes) * (sharded if z >= 2 else whole) + chunk_grads,
         "optimizer": pr.optim_bytes * (sharded if z >= 1 else whole) + masters,
     }
@@ -130,8 +134,6 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
     state = model_state_bytes(workload, layout, dense, experts)
     saved, working = activation_bytes(workload, layout, prank, rank, m, hw, runtime)
     other = runtime.fixed_bytes + working
-    if layout.zero < 3:  # autocast's compute-dtype weight copies, alive until backward
-        other += pr.cast_bytes * (dense + experts)
     if layout.zero >= 3 and prank.layers:
         # FSDP all-gathers one layer while the previous one computes (prefetch): two unsharded
         # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.

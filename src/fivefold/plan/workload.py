@@ -13,25 +13,29 @@ from fivefold.plan.model_stats import ModelStats, model_stats
 class Precision:
     """Bytes per parameter of each piece of model state (Rajbhandari et al. 2019, ZeRO)."""
     name: str
-    param_bytes: int  # weights as stored (sharded at ZeRO-3)
-    grad_bytes: int  # gradients (sharded at ZeRO-2)
-    accum_bytes: int  # a separate fp32 gradient accumulation buffer (sharded at ZeRO-2)
-    optim_bytes: int  # optimizer state: Adam moments, plus any fp32 master copy (ZeRO-1)
+    param_bytes: int  # weights as the model computes with them (and as ZeRO-1/2 gather them)
+    grad_bytes: int  # gradients as they are accumulated and reduced (sharded at ZeRO-2/3)
+    accum_bytes: int  # a second, fp32 gradient accumulation buffer beside them (sharded at ZeRO-2)
+    optim_bytes: int  # optimizer state: Adam moments, plus any fp32 master copy counted with them
     reduce_bytes: int  # bytes per element of the data-parallel gradient reduction
     act_bytes: int  # bytes per activation element
-    shard_master_bytes: int = 0  # fp32 master of the owned chunk, kept only at ZeRO-1/2
-    cast_bytes: int = 0  # compute-dtype weight copies autocast keeps for backward
+    shard_master_bytes: int = 0  # fp32 master of the owned chunk beside fp32 weights (fp32 ZeRO-1/2)
+    master_bytes: int = 0  # fp32 master weights beside lower-precision weights (sharded from ZeRO-1)
+    shard_param_bytes: int = 0  # weights as ZeRO-3 shards hold them, when not param_bytes
 
 
 PRECISIONS = {
-    # fivefold's trainer: fp32 weights under bf16 autocast. Weights 4 + gradients 4 + Adam 8 = 16;
-    # ZeRO-1/2 also keep an fp32 master of their chunk (parallel/data/zero.py); autocast keeps bf16
-    # copies of the weights for backward. Gradients are reduced in fp32.
-    "bf16": Precision("bf16", 4, 4, 0, 8, 4, 2, shard_master_bytes=4, cast_bytes=2),
+    # fivefold's trainer, the anchors' recipe (docs/precision.md): bf16 weights 2, an fp32 gradient
+    # buffer 4 that accumulates the micro-batches and is reduced in fp32, fp32 master 4 + Adam
+    # moments 8 with the optimizer: 2 + 4 + 12/dp at ZeRO-1 (Megatron's distributed optimizer),
+    # 2 + 16/dp at ZeRO-2. ZeRO-3 (FSDP2's mixed precision) shards the fp32 masters (4) and
+    # gathers them as bf16 (2): 16/dp.
+    "bf16": Precision("bf16", 2, 4, 0, 8, 4, 2, master_bytes=4, shard_param_bytes=4),
     # Megatron / nanotron (the Playbook's runs): bf16 weights 2 + bf16 gradients 2 + fp32
     # gradient accumulation buffer 4 + fp32 master and Adam moments 12 = 20.
     "bf16_fp32_accum": Precision("bf16_fp32_accum", 2, 2, 4, 12, 4, 2),
-    # Everything in fp32: weights 4, gradients 4, Adam moments 8 (ZeRO-1/2 masters as in bf16).
+    # Everything in fp32: weights 4, gradients 4, Adam moments 8; ZeRO-1/2 keep an fp32 master of
+    # their chunk beside the weights (parallel/data/zero.py), ZeRO-1 its reduced chunk gradient too.
     "fp32": Precision("fp32", 4, 4, 0, 8, 4, 4, shard_master_bytes=4),
 }
 

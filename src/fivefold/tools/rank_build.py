@@ -35,11 +35,13 @@ def held_state_bytes(par) -> dict[str, int]:
     bytes it will hold once training runs, from the tensors each data-parallel variant keeps."""
     dp = par.data_parallel
     params = _bytes(dp.params)
-    targets = dp.build_optimizer(list)  # what AdamW updates: local parameters, or master chunks
+    targets = dp.build_optimizer(list)  # what AdamW updates: local parameters, or fp32 master chunks
     chunks = _bytes(getattr(dp, "chunks", []))
-    if chunks:  # zero 1/2: masters held now; zero 1 keeps whole gradients beside its chunk's
+    if getattr(dp, "main_grads", False):  # bf16: whole fp32 gradient buffers; chunk gradients view them
+        grads = 4 * sum(bucket.padded for bucket in dp.buckets)
+    elif chunks:  # fp32 zero 1/2: masters held now; zero 1 keeps whole gradients beside its chunk's
         grads = chunks + (0 if dp.shard_grads else params)
-    else:
+    else:  # gradients in the parameters' dtype (FSDP2: fp32 shards)
         grads = params
     return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": 2 * _bytes(targets) + chunks,
             "resident_bytes": params + chunks}

@@ -6,8 +6,10 @@ Names are single-device names: 'model/<name>' for weights and persistent buffers
 - tensor parallel and FSDP2 (zero 3): parameters and moments are DTensors; DTensor says the
   offset of the local shard;
 - expert parallel: expert tensors hold this ep rank's n_experts/ep experts: offset along dim 0;
-- zero 1/2: the moments live in flat per-bucket chunks whose edges fall anywhere inside a
-  tensor; a flat range of a tensor is cut into at most 2·ndim−1 boxes (`flat_range_boxes`);
+- zero 1/2 (and zero 0 or dp = 1 under bf16): the fp32 master weights and the moments live in flat
+  per-bucket chunks whose edges fall anywhere inside a tensor; a flat range of a tensor is cut into
+  at most 2·ndim−1 boxes (`flat_range_boxes`). 'model/<name>' is then the fp32 master, never the
+  bf16 parameter, so a bf16 run resumes exactly and any layout reads it;
 - pipeline: each rank names only the tensors of its stages. The last stage's copy of a tied
   embedding is not saved (it equals the embedding) and loads from the embedding's entries.
 Replicas (dp, cp, the tp ranks of a replicated tensor) declare the same boxes; DCP writes each once.
@@ -87,9 +89,16 @@ class StateBoxes:
         out.setdefault(key, Pieces(torch.Size(shape), dtype)).add(offsets, tensor)
 
     def model(self, for_load: bool = False) -> dict[str, Pieces]:
+        """Boxes of the weights: under zero 0/1/2's master chunks (all of bf16 but zero 3, and fp32
+        zero 1/2) the fp32 masters, which `after_model_load` then writes into the parameters."""
         out: dict[str, Pieces] = {}
+        dp = self.par.data_parallel
+        in_chunks = set()
+        if hasattr(dp, "chunks"):
+            self._chunk_boxes(out, {"model": [chunk.data for chunk in dp.chunks]}, for_load)
+            in_chunks = {id(p) for bucket in dp.buckets for p in bucket.params}
         for name, param in self.params.items():
-            if name in self.tied_copies and not for_load:
+            if (name in self.tied_copies and not for_load) or id(param) in in_chunks:
                 continue
             offsets, shape = self.origin(name, param)
             local = plain(local_tensor(param))
@@ -104,24 +113,10 @@ class StateBoxes:
         dp = self.par.data_parallel
         self._fresh: dict = {}  # optimizer key (param or chunk) -> {moment: tensor}, for install
         out: dict[str, Pieces] = {}
-        if hasattr(dp, "chunks"):  # zero 1/2
-            for bucket, chunk in zip(dp.buckets, dp.chunks):
-                moments = self._moments(optimizer, chunk, for_load)
-                size = bucket.padded // bucket.group_size
-                lo = bucket.group_rank * size
-                for param, offset, numel in zip(bucket.params, bucket.offsets, bucket.sizes):
-                    name = self.names[id(param)]
-                    if name in self.tied_copies and not for_load:
-                        continue
-                    start, end = max(lo, offset), min(lo + size, offset + numel)
-                    origin, shape = self.origin(name, param)
-                    for box_offsets, sizes, first in flat_range_boxes(tuple(local_tensor(param).shape),
-                                                                      start - offset, end - offset):
-                        at = [o + b for o, b in zip(origin, box_offsets)]
-                        begin = offset + first - lo
-                        for key, flat in moments.items():
-                            view = flat[begin: begin + math.prod(sizes)].view(sizes)
-                            self._add(out, self._key(key, name), shape, flat.dtype, at, view)
+        if hasattr(dp, "chunks"):  # flat master chunks (zero 1/2, and zero 0 under bf16)
+            moments = [self._moments(optimizer, chunk, for_load) for chunk in dp.chunks]
+            for key in ADAM_KEYS:
+                self._chunk_boxes(out, {key: [m[key] for m in moments]}, for_load)
             return out
         for param in dp.params:
             name = self.names[id(param)]
@@ -132,6 +127,28 @@ class StateBoxes:
                 local = plain(local_tensor(moment))
                 self._add(out, self._key(key, name), shape, local.dtype, origin, local)
         return out
+
+    def _chunk_boxes(self, out: dict, flats: dict[str, list[torch.Tensor]], for_load: bool) -> None:
+        """Boxes of per-bucket flat tensors laid out like the data-parallel master chunks (`flats`:
+        kind -> one flat tensor per bucket), cut where the chunk edges fall inside a tensor."""
+        dp = self.par.data_parallel
+        for index, bucket in enumerate(dp.buckets):
+            size = bucket.padded // bucket.group_size
+            lo = bucket.group_rank * size
+            for param, offset, numel in zip(bucket.params, bucket.offsets, bucket.sizes):
+                name = self.names[id(param)]
+                if name in self.tied_copies and not for_load:
+                    continue
+                start, end = max(lo, offset), min(lo + size, offset + numel)
+                origin, shape = self.origin(name, param)
+                for box_offsets, sizes, first in flat_range_boxes(tuple(local_tensor(param).shape),
+                                                                  start - offset, end - offset):
+                    at = [o + b for o, b in zip(origin, box_offsets)]
+                    begin = offset + first - lo
+                    for key, per_bucket in flats.items():
+                        flat = per_bucket[index]
+                        view = flat[begin: begin + math.prod(sizes)].view(sizes)
+                        self._add(out, self._key(key, name), shape, flat.dtype, at, view)
 
     def _moments(self, optimizer, key: nn.Parameter, for_load: bool) -> dict[str, torch.Tensor]:
         state = optimizer.state.get(key, {})
@@ -152,12 +169,11 @@ class StateBoxes:
             optimizer.state[key] = {**moments, "step": torch.tensor(float(step), device=device)}
 
     def after_model_load(self) -> None:
-        """Rebuild what derives from the loaded weights: zero 1/2's fp32 master chunks."""
+        """The parameters from the loaded master chunks (a collective over the chunks' groups)."""
         dp = self.par.data_parallel
         if hasattr(dp, "chunks"):
             with torch.no_grad():
-                for bucket, chunk in zip(dp.buckets, dp.chunks):
-                    chunk.copy_(bucket.pack_chunk())
+                dp.write_params()
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer) -> float:

@@ -67,13 +67,14 @@ class DataParallel:
         dense = [p for p in params if id(p) not in self.expert_ids]
         expert = [p for p in params if id(p) in self.expert_ids]
         buckets = []
-        for params, grp, rank in ((dense, group, group_rank), (expert, expert_group, expert_rank)):
+        for params, grp, rank, is_expert in ((dense, group, group_rank, False), (expert, expert_group, expert_rank, True)):
             if not params:
                 continue
-            size = dist.get_world_size(grp)
+            size = dist.get_world_size(grp) if grp is not None else 1  # None: this rank alone
             pad = size if padded_to is None else padded_to
             for bucket in make_buckets(params, padded_to=pad):
                 bucket.group, bucket.group_size, bucket.group_rank = grp, size, rank
+                bucket.is_expert = is_expert
                 bucket.scale = 1.0 / (self.dims.dp * self.dims.cp)  # HSDP's replica all-reduce adds, too
                 buckets.append(bucket)
         return buckets
@@ -119,10 +120,22 @@ class DataParallel:
         """Gradient storage beyond `param.grad` (flat buckets, sharded gradients)."""
         return []
 
+    def master_weights(self) -> dict[int, torch.Tensor]:
+        """id(param) -> fp32 master of this rank's local piece, where the parameter is not its own
+        master (bf16 weights); a collective where masters are sharded. Here: none."""
+        return {}
+
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Bytes this rank holds now for parameters, gradients and optimizer state (incl. masters)."""
+        """Bytes this rank holds now for parameters, gradients and optimizer state (incl. masters).
+        Memory viewed by several tensors (a master chunk's gradient inside its bucket) counts once."""
         def size(tensors) -> int:
-            return sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in tensors)
+            spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                           for t in map(local_tensor, tensors) if t.numel())
+            total, reached = 0, 0
+            for start, end in spans:  # the length of the union of the spans
+                total += max(0, end - max(start, reached))
+                reached = max(reached, end)
+            return total
 
         state = [v for s in optimizer.state.values() for v in s.values()
                  if isinstance(v, torch.Tensor) and v.dim() > 0]

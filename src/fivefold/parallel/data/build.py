@@ -8,6 +8,11 @@ HSDP (`dp_shard` < dp) shards inside groups of dp_shard ranks and replicates acr
 
 Every variant reduces the gradients of a step once, after its last micro-batch (zero 2 instead
 reduce-scatters each micro-batch, also under a pipeline, which is what keeps its gradients sharded).
+
+Under `train.dtype = bf16` the parameters are bf16 and the fp32 master weights live with the
+optimizer: zero 0/1/2 and a layout without data parallelism all run parallel/data/zero.py, which
+keeps the masters (whole, or its chunk) and accumulates gradients in fp32; zero 3 gives FSDP2 a
+mixed-precision policy (bf16 gathers, fp32 reduce-scatter, fp32 shards).
 """
 
 from __future__ import annotations
@@ -23,13 +28,20 @@ from fivefold.parallel.data.replicate import ReplicatedDataParallel
 
 def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: Config,
                         pipeline=None) -> DataParallel:
+    zero = cfg.parallel.zero
+    fsdp = zero == 3 and dims.dp * dims.cp > 1
+    if cfg.train.dtype == "bf16" and not fsdp:
+        from fivefold.parallel.data.zero import ShardedOptimizerDataParallel
+
+        sharded = zero in (1, 2) and dims.dp * dims.cp > 1
+        return ShardedOptimizerDataParallel(parts, dims, mesh, shard_grads=sharded and zero == 2, pipeline=pipeline,
+                                            main_grads=not (sharded and zero == 2), shard=sharded)
     if dims.dp * dims.cp == 1:
         if dims.expert_data_parallel > 1:
             # No data parallelism, but tp ranks holding the same experts (ep borrowing only part of
             # tp) saw different tokens: their expert gradients are partial sums to all-reduce.
             return ReplicatedDataParallel(parts, dims, mesh["dp_cp"].get_group(), mesh["edp"].get_group())
         return DataParallel(parts, dims)
-    zero = cfg.parallel.zero
     if zero == 0:
         return ReplicatedDataParallel(parts, dims, mesh["dp_cp"].get_group(),
                                       mesh["edp"].get_group() if dims.ep > 1 else None)
@@ -42,4 +54,5 @@ def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: C
     # Schedules that split backward into an input pass and a later weight pass find the weights
     # through the stage's parameters when the input pass starts: blocks must still be unsharded then.
     split_backward = dims.pp > 1 and cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES
-    return FullyShardedDataParallel(parts, dims, mesh, reshard_after_forward=not split_backward)
+    return FullyShardedDataParallel(parts, dims, mesh, reshard_after_forward=not split_backward,
+                                    bf16=cfg.train.dtype == "bf16")

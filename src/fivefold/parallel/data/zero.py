@@ -16,6 +16,18 @@ cuts through a tensor gets exactly the update the whole tensor would.
   Buckets then hold one stage's parameters each, and a tied embedding copy a bucket of its own:
   its chunk is the same slice of the matrix on every stage, so the copies' chunk gradients add.
 HSDP: chunks are owned within a dp_shard group; groups then all-reduce their chunk gradients.
+
+bf16 (`train.dtype = bf16`, the anchors' recipe: Megatron's distributed optimizer): the model's
+parameters are bf16, and this class keeps the fp32 master weights (the chunks) and AdamW's state.
+- Each micro-batch's bf16 gradients are added into the fp32 bucket buffers as backward produces
+  them (`main_grads`), so accumulation over micro-batches is fp32; the buffers are reduced once,
+  in fp32, and each rank's chunk of the reduced buffer is its master chunk's gradient (a view: no
+  second copy). Per parameter: 2 (bf16 weight) + 4 (fp32 gradient buffer) + 12/dp (master and
+  moments). Zero 2 keeps reducing each micro-batch: 2 + 16/dp.
+- Zero 0 and a layout without data parallelism run here too, with whole buckets as "chunks"
+  (`shard = False`): every rank keeps every master, and the buffers are all-reduced instead.
+- After the update the chunks are cast to bf16 and all-gathered into the parameters (half the
+  bytes of an fp32 gather).
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 from fivefold.parallel.grad_norm import (
     clip_coefficient,
     global_norm,
+    local_tensor,
     settle_grad_layout,
     weighted_square_sum,
 )
@@ -39,21 +52,35 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class ShardedOptimizerDataParallel(DataParallel):
-    def __init__(self, parts, dims, mesh, shard_grads: bool, pipeline=None):
+    def __init__(self, parts, dims, mesh, shard_grads: bool, pipeline=None, main_grads: bool = False,
+                 shard: bool = True):
+        """main_grads: bf16 parameters, whose gradients accumulate in the fp32 bucket buffers.
+        shard: False keeps whole masters on every rank and all-reduces (bf16 at zero 0 or dp = 1)."""
         super().__init__(parts, dims)
-        self.name = (f"zero {2 if shard_grads else 1}: optimizer state{' and gradients' if shard_grads else ''} "
-                     f"sharded over {dims.dp_shard * dims.cp} ranks" + (f", replicated x{dims.dp_replicate}" if dims.dp_replicate > 1 else ""))
-        self.shard_grads = shard_grads
-        # cp ranks hold the same weights as their dp peers: they share the shards too.
-        self.shard_group = mesh["dp_shard_cp"].get_group()
-        self.replicate_group = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
-        self.n_shards, self.shard_rank = dims.dp_shard * dims.cp, mesh["dp_shard_cp"].get_local_rank()
-        # Expert parameters are sharded over the ranks holding the same experts (parallel/expert/apply.py).
-        expert_mesh = mesh["edp"] if dims.ep > 1 else None
-        groups = (self.shard_group, self.shard_rank, expert_mesh and expert_mesh.get_group(),
-                  expert_mesh and expert_mesh.get_local_rank())
+        self.shard_grads, self.main_grads, self.shard = shard_grads, main_grads, shard
+        if shard:
+            self.name = (f"zero {2 if shard_grads else 1}: optimizer state{' and gradients' if shard_grads else ''} "
+                         f"sharded over {dims.dp_shard * dims.cp} ranks"
+                         + (f", replicated x{dims.dp_replicate}" if dims.dp_replicate > 1 else ""))
+            # cp ranks hold the same weights as their dp peers: they share the shards too.
+            self.shard_group = mesh["dp_shard_cp"].get_group()
+            self.replicate_group = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
+            # Expert parameters are sharded over the ranks holding the same experts (parallel/expert/apply.py).
+            expert_mesh = mesh["edp"] if dims.ep > 1 else None
+            groups = (self.shard_group, mesh["dp_shard_cp"].get_local_rank(), expert_mesh and expert_mesh.get_group(),
+                      expert_mesh and expert_mesh.get_local_rank())
+            expert_replicas = None
+        else:
+            self.name = ("zero 0: replicated parameters and fp32 masters, bucketed gradient all-reduce"
+                         if dims.dp * dims.cp > 1 else "no data parallelism")
+            self.shard_group = None
+            self.replicate_group = mesh["dp_cp"].get_group() if dims.dp * dims.cp > 1 else None
+            expert_replicas = mesh["edp"].get_group() if dims.ep > 1 and dims.expert_data_parallel > 1 else None
+            groups = (None, 0, None, 0)
+        if main_grads:
+            self.name += "; bf16 weights, fp32 gradient accumulation and master weights"
         self.per_stage = shard_grads and pipeline is not None
-        self.tied = pipeline.tied_copies() if self.per_stage else []
+        self.tied = pipeline.tied_copies() if pipeline is not None and (self.per_stage or main_grads) else []
         if self.per_stage:
             self.buckets, self._stage_buckets, seen = [], [], set()
             tied_ids = {id(t) for t in self.tied}
@@ -69,7 +96,15 @@ class ShardedOptimizerDataParallel(DataParallel):
             pipeline.on_weight_grads = self.reduce_stage
         else:
             self.buckets = self.reduction_buckets(None, *groups)
+        for bucket in self.buckets:  # who adds up whole chunks after the shard group's reduction
+            bucket.replicate_group = expert_replicas if bucket.is_expert else self.replicate_group
         self.chunks = [nn.Parameter(b.pack_chunk()) for b in self.buckets]
+        if main_grads and pipeline is not None and not self.per_stage:
+            # Split backward schedules write weight gradients without the accumulation hooks:
+            # move each finished micro-batch's bf16 gradients into the fp32 buffers at once.
+            pipeline.on_weight_grads = lambda stage: self._absorb(trainable([parts[stage]]))
+        self._views = None  # main_grads: id(param) -> its view of the buffers, built at first use
+        self._step_open = False  # main_grads: the buffers hold this step's sums (zeroed at its first)
         self._segments = None  # built at the first clip: extra_copies may be set after construction
         self._syncing, self._next_bucket, self._pending = False, 0, []
         self._reduced_in_micro_batches = False
@@ -91,17 +126,47 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def _make_hook(self, bucket):
         def hook(param):
+            if self.main_grads:
+                self._absorb([param])
             if self._syncing:
                 settle_grad_layout(param)
                 bucket.mark_ready(param)
                 self._launch_ready_buckets()
         return hook
 
+    def _absorb(self, params) -> None:
+        """main_grads: add the parameters' bf16 gradients into their fp32 buffer views."""
+        if not self._step_open:
+            for bucket in self.buckets:
+                bucket.buffer.zero_()
+            self._step_open = True
+        for param in params:
+            if param.grad is None:
+                continue
+            settle_grad_layout(param)
+            self._grad_view(param).add_(local_tensor(param.grad).reshape(-1))
+            param.grad = None
+
+    def _grad_view(self, param) -> torch.Tensor:
+        """The flat fp32 buffer view that accumulates `param`'s gradient (main_grads)."""
+        if self._views is None:
+            self._views = {id(p): view for b in self.buckets for p, view in b.views(b.buffer)}
+        return self._views[id(param)]
+
     def _launch(self, index: int) -> None:
         bucket, chunk = self.buckets[index], self.chunks[index]
-        bucket.pack_grads(scale=bucket.scale)
-        for param in bucket.params:
-            param.grad = None  # the bucket holds these gradients now
+        if self.main_grads:
+            self._absorb(bucket.params)  # whatever arrived outside the hooks (a pipeline's backward)
+            bucket.buffer.mul_(bucket.scale)
+        else:
+            bucket.pack_grads(scale=bucket.scale)
+            for param in bucket.params:
+                param.grad = None  # the bucket holds these gradients now
+        if bucket.group is None:  # whole masters on every rank: all-reduce the buffer in place
+            handle = (dist.all_reduce(bucket.buffer, group=bucket.replicate_group, async_op=True)
+                      if bucket.replicate_group is not None else None)
+            self._pending.append((index, bucket.buffer, handle))
+            return
         if reduce_scatter_via_all_to_all(bucket.group):
             # Every rank's copy of this rank's chunk, summed when it arrives; the receive
             # buffer is a whole bucket for as long as the collective is in flight.
@@ -130,6 +195,16 @@ class ShardedOptimizerDataParallel(DataParallel):
         self._reduced_in_micro_batches = True
 
     def sum_tied(self, pipeline, group) -> None:
+        if self.main_grads:  # the copies' gradients are in the fp32 buffers
+            self._absorb(self.params)
+            views = [self._grad_view(t) for t in self.tied]
+            if views:
+                total = torch.stack(views).sum(0)
+                if group is not None:
+                    dist.all_reduce(total, group=group)
+                for view in views:
+                    view.copy_(total)
+            return
         if not self.per_stage:
             return super().sum_tied(pipeline, group)
         # The copies' gradients are already chunks; a copy's bucket holds it alone, so this rank's
@@ -147,10 +222,17 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def _complete_pending(self) -> None:
         for index, received, handle in self._pending:
-            handle.wait()
-            chunk = self.chunks[index]
-            if received.numel() != chunk.numel():  # the all-to-all's pieces
+            if handle is not None:
+                handle.wait()
+            chunk, bucket = self.chunks[index], self.buckets[index]
+            if received.numel() != chunk.numel() and bucket.group is not None:  # the all-to-all's pieces
                 received = received.view(-1, chunk.numel()).sum(0)
+            if self.main_grads:  # this rank's chunk of the buffer is the master's gradient
+                own = bucket.buffer[bucket.group_rank * chunk.numel():(bucket.group_rank + 1) * chunk.numel()]
+                if received is not own:
+                    own.copy_(received)
+                chunk.grad = own
+                continue
             chunk.grad = received if chunk.grad is None else chunk.grad.add_(received)
             if self.shard_grads:
                 self.buckets[index].release()  # whole gradients never outlive their bucket
@@ -184,13 +266,13 @@ class ShardedOptimizerDataParallel(DataParallel):
             raise RuntimeError("zero 2 under a pipeline: a gradient arrived outside the stages' "
                                "backward actions and would be lost")
         self._reduced_in_micro_batches = False
-        if self.replicate_group is not None:
-            # HSDP: dense chunks are owned within a dp_shard group, so the replicas add theirs up;
-            # expert chunks are owned across the whole expert-data-parallel group, replicas included.
-            for bucket, chunk in zip(self.buckets, self.chunks):
-                if bucket.group is self.shard_group:
-                    dist.all_reduce(chunk.grad, group=self.replicate_group)
-        self._syncing = False
+        # HSDP: dense chunks are owned within a dp_shard group, so the replicas add theirs up;
+        # expert chunks are owned across the whole expert-data-parallel group, replicas included.
+        # (Whole masters were all-reduced by their bucket's launch.)
+        for bucket, chunk in zip(self.buckets, self.chunks):
+            if bucket.replicate_group is not None and bucket.group is not None:
+                dist.all_reduce(chunk.grad, group=bucket.replicate_group)
+        self._syncing, self._step_open = False, False
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if self._segments is None:
@@ -212,7 +294,29 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
+        self.write_params()
+
+    def write_params(self) -> None:
+        """The parameters from the master chunks: all-gathered in the parameters' dtype (bf16
+        weights gather half the bytes of their fp32 masters). Collective over each bucket's group."""
         for bucket, chunk in zip(self.buckets, self.chunks):
-            gathered = torch.empty(bucket.padded, dtype=chunk.dtype, device=chunk.device)
-            _all_gather(gathered, chunk.detach(), group=bucket.group)
+            if bucket.group is None:
+                bucket.unpack_params(chunk.detach())
+                continue
+            dtype = local_tensor(bucket.params[0]).dtype
+            gathered = torch.empty(bucket.padded, dtype=dtype, device=chunk.device)
+            _all_gather(gathered, chunk.detach().to(dtype), group=bucket.group)
             bucket.unpack_params(gathered)
+
+    def master_weights(self) -> dict[int, torch.Tensor]:
+        """id(param) -> the fp32 master of this rank's local piece (a collective: the chunks are
+        all-gathered in fp32)."""
+        out = {}
+        for bucket, chunk in zip(self.buckets, self.chunks):
+            flat = chunk.detach()
+            if bucket.group is not None:
+                flat = torch.empty(bucket.padded, dtype=chunk.dtype, device=chunk.device)
+                _all_gather(flat, chunk.detach(), group=bucket.group)
+            for param, view in bucket.views(flat):
+                out[id(param)] = view.view(local_tensor(param).shape)
+        return out
