@@ -20,8 +20,9 @@ and output 0, which the merge folds in as nothing.
 
 Three implementations: PyTorch's fused kernels, which return the LSE themselves and take the
 global output/LSE in their backward — memory-efficient attention on CUDA, flash attention on CPU
-(computed in fp32 there, like the plain path) — and plain PyTorch for any other device (matmul +
-logsumexp, tiled over query rows so the score matrix stays small).
+(computed in fp32 there, like the plain path; where the caller asks, `mask_kernel`, it takes a
+block's mask too, as an additive one) — and plain PyTorch for any other device and masked blocks (matmul + logsumexp, tiled
+over query rows so the score matrix stays small).
 
 Windows. With a sliding window (query at position i sees keys i-window+1 .. i) a block is
   - outside the window when its nearest pair is `window` or more apart: skipped, never computed;
@@ -85,12 +86,13 @@ def document_block(q_documents: torch.Tensor, k_documents: torch.Tensor, causal:
     return bool(allowed.any()), allowed
 
 
-def block_forward(q, k, v, causal: bool, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q, k, v, causal: bool, scale: float, mask=None,
+                  mask_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(output fp32 (b, h, Lq, d), LSE fp32 (b, h, Lq)) of softmax(q kᵀ·scale) v over this block;
-    `mask` (b, Lq, Lk), when given, hides the pairs where it is False (CPU's flash kernel takes it
-    as an additive mask; plain PyTorch elsewhere)."""
+    `mask` (b, Lq, Lk), when given, hides the pairs where it is False: plain PyTorch, or with
+    `mask_kernel` CPU's flash kernel taking it as an additive mask (faster; other rounding)."""
     if mask is not None:
-        if use_cpu_flash_kernel(q, v):
+        if mask_kernel and use_cpu_flash_kernel(q, v):
             return _cpu_flash_forward(q, k, v, causal, scale, mask)
         return _math_forward(q, k, v, causal, scale, mask)
     if use_fused_kernel(q):
@@ -100,11 +102,11 @@ def block_forward(q, k, v, causal: bool, scale: float, mask=None) -> tuple[torch
     return _math_forward(q, k, v, causal, scale)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None, mask_kernel: bool = False):
     """(dq, dk, dv) in fp32 of this block's share of attention, given the final out and LSE of
     these query rows (so probabilities are exp(score - LSE), already normalised over every block)."""
     if mask is not None:
-        if use_cpu_flash_kernel(q, v):
+        if mask_kernel and use_cpu_flash_kernel(q, v):
             return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask)
         return _math_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if use_fused_kernel(q):
@@ -389,22 +391,22 @@ def visible_parts(block: Block, window: int, device, q_documents=None, k_documen
     return [(block, mask)]
 
 
-def part_forward(q, k, v, block: Block, scale: float, mask):
+def part_forward(q, k, v, block: Block, scale: float, mask, mask_kernel: bool = False):
     """block_forward of the block's rows of q against its columns of k and v."""
     q, k, v = q[:, :, block.rows], k[..., block.cols, :], v[..., block.cols, :]
     if not block.mirrored:
-        return block_forward(q, k, v, block.causal, scale, mask)
+        return block_forward(q, k, v, block.causal, scale, mask, mask_kernel)
     out, lse = block_forward(q.flip(2), k.flip(2), v.flip(2), True, scale)
     return out.flip(2), lse.flip(-1)
 
 
-def part_backward(dout, q, k, v, out, lse, block: Block, scale: float, mask):
+def part_backward(dout, q, k, v, out, lse, block: Block, scale: float, mask, mask_kernel: bool = False):
     """block_backward of the block's rows and columns: (dq of its rows, dk and dv of its columns)."""
     rows, cols = block.rows, block.cols
     dout, q, out, lse = dout[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows]
     k, v = k[..., cols, :], v[..., cols, :]
     if not block.mirrored:
-        return block_backward(dout, q, k, v, out, lse, block.causal, scale, mask)
+        return block_backward(dout, q, k, v, out, lse, block.causal, scale, mask, mask_kernel)
     grads = block_backward(dout.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1), True, scale)
     return tuple(g.flip(2) for g in grads)
 

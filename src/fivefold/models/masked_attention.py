@@ -6,27 +6,32 @@ Blockwise, never quadratic. The sequence is cut into chunks of `CHUNK` positions
 attends the key chunks at or before it, each pair a block of models/attention_blocks.py:
   - a block no query of which sees a key (outside the window, or in other documents) is skipped,
     and key chunks before the window's or the first row's document's start are not even visited;
-  - a block the window crosses is cut into tiles that need no mask when the window and the chunk
-    share a divisor of 16 or more (a causal tile, whole tiles, a mirrored causal tile), else
-    trimmed and masked with a block-sized boolean mask;
+  - a block the window or a document boundary crosses is trimmed to what the window shows and
+    masked with a block-sized boolean mask, which CPU's flash kernel takes (as an additive mask);
+    where no kernel takes a mask (CUDA's memory-efficient kernel; V's head dim other than Q's on
+    CPU) a block the window crosses is instead cut into tiles that need none when the window and
+    the chunk share a divisor of 16 or more (a causal tile, whole tiles, a mirrored causal tile);
   - whole blocks side by side in one row of tiles are joined into one kernel call;
   - every block runs PyTorch's fused attention kernel that returns the log-sum-exp (flash on CPU,
-    computed in fp32; memory-efficient on CUDA), or plain PyTorch tiled over rows where a mask or
-    V's head dim rules the kernel out; the blocks merge exactly by log-sum-exp (fp32), and the
-    sinks join the merged log-sum-exp once: LSE ← logaddexp(LSE, sink), the output scaled by
-    exp(LSE_before − LSE_after).
+    computed in fp32; memory-efficient on CUDA), or plain PyTorch tiled over rows where the kernel
+    cannot; the blocks merge exactly by log-sum-exp (fp32), and the sinks join the merged
+    log-sum-exp once: LSE ← logaddexp(LSE, sink), the output scaled by exp(LSE_before − LSE_after),
+    and their gradient is −Σ_rows P_sink · rowsum(dO ∘ O).
 Forward keeps only q, k, v, the output and the fp32 log-sum-exp per row (O(seq)); backward
 recomputes each block from them (a custom autograd Function, as flash attention does), so neither
-pass builds a (seq, seq) tensor: the largest transient is a block's (CHUNK, CHUNK) scores or mask.
-Without a window, sinks or documents (window ≥ seq counts as none) it is one causal block: the
-whole sequence through the fused kernel.
+pass builds a (seq, seq) tensor: the largest transient is a block's (CHUNK, CHUNK + window) scores
+or mask. Without a window or documents (a window ≥ seq counts as none) it is one causal block: the
+whole sequence through the fused kernel, the sinks folded in after it. With bf16 inputs the blocks
+compute in fp32 and the output is rounded once; backward reads the bf16 output (as flash
+attention does), so gradients are within bf16 rounding of the fp32 ones.
 
 The context-parallel methods (parallel/context/) run the same block rules over their chunks; this
-module knows nothing of them.
+module knows nothing of them. It runs eagerly: under torch.compile it is a graph break.
 
-FlexAttention (torch.nn.attention.flex_attention) is not used here: eager it materialises the
-(batch, heads, seq, seq) scores (its math reference), and only compiled does it tile; on CUDA the
-document-only case still goes through compiled FlexAttention (models/documents.py).
+FlexAttention (torch.nn.attention.flex_attention) is not used here: torch 2.13 has no CPU backward
+for it, and its eager forward materialises the (batch, heads, seq, seq) scores (measured: 209 MiB
+peak for 4 heads at seq 2048, where one fp32 (heads, seq, seq) tensor is 64 MiB); only compiled on
+CUDA does it tile, and there the document-only case goes through it (models/documents.py).
 
 `allowed_keys` and `sink_attention` are the plain reference (quadratic; tests only).
 """
@@ -127,12 +132,12 @@ class BlockwiseMaskedAttention(torch.autograd.Function):
         scale = q.shape[-1] ** -0.5
         parts = attention_parts(q.shape[2], window, documents, q.device, chunk, _tiles(q, v))
         if len(parts) == 1:  # one causal block over every row: nothing to merge
-            out, lse = part_forward(q, k, v, parts[0][0], scale, parts[0][1])
+            out, lse = part_forward(q, k, v, parts[0][0], scale, parts[0][1], mask_kernel=True)
         else:
             out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
             lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
             for part, mask in parts:
-                block_out, block_lse = part_forward(q, k, v, part, scale, mask)
+                block_out, block_lse = part_forward(q, k, v, part, scale, mask, mask_kernel=True)
                 merge_rows(out, lse, part.rows, block_out, block_lse)
         if sinks is not None:
             out, lse = add_sinks(out, lse, sinks)
@@ -149,7 +154,7 @@ class BlockwiseMaskedAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         for part, mask in attention_parts(q.shape[2], ctx.window, ctx.documents, q.device, ctx.chunk, _tiles(q, v)):
-            dq_part, dk_part, dv_part = part_backward(dout, q, k, v, out, lse, part, scale, mask)
+            dq_part, dk_part, dv_part = part_backward(dout, q, k, v, out, lse, part, scale, mask, mask_kernel=True)
             dq[:, :, part.rows] += dq_part
             dk[:, :, part.cols] += dk_part
             dv[:, :, part.cols] += dv_part

@@ -1,4 +1,5 @@
-"""Attention over one block of queries and keys, returning the log-sum-exp, and its backward.
+"""Attention over one block of queries and keys, returning the log-sum-exp, and its backward
+(implemented in models/attention_blocks.py, parallelism-free; re-exported here).
 
 Context parallelism computes attention a block at a time (a query chunk against a key/value chunk)
 and merges the blocks exactly with the online-softmax rule. That needs, per block, the output and

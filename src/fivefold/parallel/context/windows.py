@@ -1,4 +1,5 @@
-"""Sliding windows and attention sinks in context-parallel attention (ours).
+"""Sliding windows and attention sinks in context-parallel attention (ours). The block rules below
+live in models/attention_blocks.py (parallelism-free, shared with the single-device attention).
 
 Windows. Context parallelism computes attention a block at a time: query rows of one chunk of the
 sequence against key columns of another. With a sliding window (query at position i sees keys
@@ -10,7 +11,7 @@ i-window+1 .. i) a block is
     causal mask reversed, which the causal kernel computes on reversed rows and columns), so the
     fused kernels run on all of it;
   - else trimmed to the rows that see some key and the columns some row sees, then masked where
-    the window crosses it (a boolean mask: the plain PyTorch block path of blocks.py);
+    the window crosses it (a boolean mask: the plain PyTorch block path);
   - left whole when every pair is inside the window.
 With document masking the mask path serves every block the window crosses.
 The three attention methods describe their blocks as `Block`s with the global positions of their
