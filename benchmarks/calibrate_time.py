@@ -59,11 +59,11 @@ class Problem:
 
     def models(self, values: dict):
         pick = lambda owner: {f: v for (o, f), v in values.items() if o == owner}  # noqa: E731
-        hw = dataclasses.replace(hardware_for("h100"), **pick("hw"))
+        hw = dataclasses.replace(acc.playbook_hardware(), **pick("hw"))
         nano = dataclasses.replace(NANOTRON_RUNTIME, **pick("nano"))
         eager = dataclasses.replace(FIVEFOLD_EAGER, **pick("eager"))
         compiled = dataclasses.replace(FIVEFOLD_COMPILED, **pick("compiled"))
-        titan_hw = dataclasses.replace(hw, memory_bytes=96 * 2 ** 30,
+        titan_hw = dataclasses.replace(hw, fabric="full_bisection", memory_bytes=96 * 2 ** 30,
                                        matmul_efficiency=hw.matmul_efficiency * acc.POWER_DERATE)
         return hw, nano, eager, compiled, titan_hw
 

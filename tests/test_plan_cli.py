@@ -30,9 +30,12 @@ def test_json_follows_the_contract(capsys):
     data = plan_json(capsys, *LLAMA8, "--cluster.gpus", "64", "--cluster.gpu", "h100",
                      "--layout", LAYOUT)
     (cand,) = data["candidates"]
-    # tokens_per_sec_band (issue 20): added beside the contract's fields, none of which changed
+    # tokens_per_sec_band (issue 20), the profile and its time split (issue 41): added beside the
+    # contract's fields, none of which changed
     assert set(cand) == {"layout", "fits", "memory_bytes", "step_time_s", "tokens_per_sec_per_gpu",
-                         "mfu", "bubble_fraction", "comm_bytes", "why", "tokens_per_sec_band"}
+                         "mfu", "bubble_fraction", "comm_bytes", "why", "tokens_per_sec_band",
+                         "profile", "overlaps", "time_parts_s"}
+    assert cand["profile"] == "fivefold-eager" and "compute" in cand["time_parts_s"]
     assert set(cand["tokens_per_sec_band"]) == {"median_rel_error", "p90_rel_error", "p90_low", "p90_high"}
     assert set(cand["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "other", "total"}
     assert set(cand["comm_bytes"]) == {"dp", "tp", "pp", "cp", "ep"}

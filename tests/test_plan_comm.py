@@ -118,17 +118,24 @@ def test_small_collectives_are_latency_bound_and_large_ones_bandwidth_bound():
     assert bandwidth_part > 0.9 * large  # 1 GB: the bytes, not the hops, set the time
 
 
-def test_crossing_nodes_costs_the_network_tier_and_falls_with_node_count():
+def test_crossing_nodes_costs_the_network_tier_and_only_a_tapered_fabric_falls_with_node_count():
+    import dataclasses
+
     from fivefold.plan.comm import Link, all_reduce_time
 
     hw, nbytes = _h100(), 4e9
     inside = all_reduce_time(nbytes, Link(8, 8), hw)
     across = [all_reduce_time(nbytes, Link(8 * k, 8), hw) for k in (2, 8, 64)]
     assert inside < across[0]  # NVLink 360 GB/s against 8 NICs x 40 GB/s, and IB hops
-    assert across[0] < across[1] < across[2]  # the ring spans more nodes: spine traffic
-    # 64 nodes: bandwidth down by 1 + 63 / fabric_nodes against one node's NICs
+    # full bisection (the default): the NICs' rate whatever the nodes spanned; only the ring's
+    # (n-1)/n share and its hops grow
     per_byte = 2 * (511 / 512) * nbytes / (8 * hw.nic_bw)
-    assert across[2] - 2 * 511 * hw.inter_latency_s == pytest.approx(per_byte * (1 + 63 / hw.fabric_nodes), rel=1e-6)
+    assert across[2] - 2 * 511 * hw.inter_latency_s == pytest.approx(per_byte, rel=1e-6)
+    # a tapered fabric: bandwidth down by 1 + 63 / fabric_nodes at 64 nodes (spine traffic)
+    tapered = dataclasses.replace(hw, fabric="tapered")
+    slower = [all_reduce_time(nbytes, Link(8 * k, 8), tapered) for k in (2, 8, 64)]
+    assert slower[0] < slower[1] < slower[2]
+    assert slower[2] - 2 * 511 * hw.inter_latency_s == pytest.approx(per_byte * (1 + 63 / hw.fabric_nodes), rel=1e-6)
 
 
 # ------------------------------------------------- expert parallelism borrowing tp: where, how much
@@ -200,10 +207,10 @@ def test_ep_borrowing_tp_traffic_and_time_by_hand():
     # + 10 us = 50.8 us per all-to-all, 26.0 ms per step.
     assert on_nvlink.time_parts["ep"] == pytest.approx(exchanges * (sent / 360e9 + 10e-6), rel=1e-9)
     # 4 GPUs per node: two nodes of 4. Of a rank's 14,680,064 bytes, 4/7 (8,388,608) go to the other
-    # node through its NIC at 40 GB/s / (1 + 1/36 for the second node), while 3/7 (6,291,456) cross
-    # NVLink at the same time: 0.2155 ms + 57 us per all-to-all.
+    # node through its NIC at 40 GB/s (a full-bisection fabric), while 3/7 (6,291,456) cross
+    # NVLink at the same time: 0.2097 ms + 57 us per all-to-all.
     across = estimate(w, layout, dataclasses.replace(hw, gpus_per_node=4), DEFAULT_RUNTIME)
-    off_node = 8_388_608 * (1 + 1 / 36) / 40e9
+    off_node = 8_388_608 / 40e9
     assert off_node > 6_291_456 / 360e9
     assert across.comm_bytes["ep"] == on_nvlink.comm_bytes["ep"]
     assert across.time_parts["ep"] == pytest.approx(exchanges * (off_node + 57e-6), rel=1e-9)
@@ -215,15 +222,15 @@ def test_expert_gradients_reduce_over_the_edp_group_only():
     from fivefold.plan.memory import rank_param_counts
     from fivefold.plan.schedule import pipeline_ranks
 
-    # ZeRO-1 (fp32 reduction and weights: 4 + 4 bytes per parameter) under HSDP, dp4 as 2 shards x
+    # ZeRO-1 (fp32 reduction, bf16 weights: 4 + 2 bytes per parameter) under HSDP, dp4 as 2 shards x
     # 2 replicas, tp2. Dense weights (D per rank): reduce-scatter + all-gather over the shard pair,
-    # 1/2 x 8D, and the replicas' all-reduce of the half, 2 x 1/2 x 4D/2: 6D. Expert weights (E per
+    # 1/2 x 6D, and the replicas' all-reduce of the half, 2 x 1/2 x 4D/2: 5D. Expert weights (E per
     # rank) are sharded over their whole edp group, replicas included (parallel/data/zero.py): no replica
-    # term. ep4 takes all of dp, and its edp group is the tp pair (4 x 2 / 4 = 2): 1/2 x 8E = 4E;
+    # term. ep4 takes all of dp, and its edp group is the tp pair (4 x 2 / 4 = 2): 1/2 x 6E = 3E;
     # ep8 borrows tp: edp = 1, no expert traffic at all.
     w = _mixtral()
-    for ep, expert_share in ((4, 4), (8, 0)):
+    for ep, expert_share in ((4, 3), (8, 0)):
         layout = Layout(dp=4, dp_shard=2, tp=2, ep=ep, zero=1, mbs=1)
         dense, experts = rank_param_counts(w.stats, layout, pipeline_ranks(w.stats, layout, w.seq_len)[0])
         got = estimate(w, layout, _h100(), DEFAULT_RUNTIME).comm_bytes["dp"]
-        assert got == pytest.approx(6 * dense + expert_share * experts, rel=1e-12), ep
+        assert got == pytest.approx(5 * dense + expert_share * experts, rel=1e-12), ep

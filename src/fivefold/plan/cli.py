@@ -13,7 +13,7 @@ from pathlib import Path
 from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig, load_config
 from fivefold.plan.compile_choice import planned_compile
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import PROFILES, hardware_from_cluster, runtime_for
+from fivefold.plan.hardware import FRAMEWORKS, PROFILES, hardware_from_cluster, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
 from fivefold.plan.report import plot_memory, table, to_json
 from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, search,
@@ -24,15 +24,18 @@ from fivefold.config.validate import validate
 USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--cluster.gpus_per_node 8]
                      [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]
                      [--layouts FILE.jsonl] [--json] [--plot FILE.png] [--top K] [--sweep K]
+                     [--framework fivefold|torchtitan|megatron|megatron-2022|nanotron]
                      [--section.key value ...]
 
 Without --layout, searches the layouts of --cluster.gpus GPUs and ranks them by predicted
 tokens/s per GPU; with --layout (or --layouts, one JSON object per line) evaluates those.
 --sweep K then trains the first K candidates for a few steps on local ranks (this machine) and
 prints measured against predicted tokens/s and memory (use --cluster.gpu cpu on a laptop).
+--framework predicts the time as that framework runs the layout (what it overlaps: docs/planner.md);
+the default is fivefold's own (compiled when train.compile says so).
 GPUs: """ + ", ".join(PROFILES)
 
-VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top", "--sweep")
+VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top", "--sweep", "--framework")
 GB = 1e9
 
 
@@ -81,7 +84,7 @@ def _parse_args(argv: list[str]) -> tuple[str | None, dict, list[str]]:
 
 def _example(flag: str) -> str:
     return {"--layout": '"dp=8,tp=2"', "--layouts": "layouts.jsonl", "--plot": "memory.png",
-            "--top": "5", "--sweep": "2"}[flag]
+            "--top": "5", "--sweep": "2", "--framework": "megatron"}[flag]
 
 
 def _planning_config(cfg: Config) -> Config:
@@ -117,7 +120,15 @@ def _top(flags: dict) -> int:
     return top
 
 
-def _evaluate_given(cfg, workload, hw, layouts: list[Layout], where: list[str]):
+def _runtime(cfg, flags: dict):
+    """The runtime profile: --framework NAME, else fivefold's (compiled when train.compile says so)."""
+    name = flags.get("framework", "fivefold")
+    if name != "fivefold" and name not in FRAMEWORKS:
+        raise PlanError(f"--framework '{name}' is not one of {', '.join(FRAMEWORKS)}")
+    return runtime_for(planned_compile(cfg), name)
+
+
+def _evaluate_given(cfg, workload, hw, layouts: list[Layout], where: list[str], runtime):
     gpus = cfg.cluster.gpus
     out = []
     for layout, label in zip(layouts, where):
@@ -130,7 +141,7 @@ def _evaluate_given(cfg, workload, hw, layouts: list[Layout], where: list[str]):
         problem = layout_problem(cfg, workload, layout, world)
         if problem:
             raise PlanError(f"{label}: {problem}")
-        est = estimate(workload, layout, hw, runtime_for(planned_compile(cfg)))
+        est = estimate(workload, layout, hw, runtime)
         explain_single(est)
         out.append(est)
     return out
@@ -150,9 +161,12 @@ def _plan(argv: list[str]) -> int:
     validate(cfg)
     try:
         hw = hardware_from_cluster(cfg.cluster)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
     except KeyError:
         raise PlanError(f"cluster.gpu='{cfg.cluster.gpu}' is not one of {', '.join(PROFILES)}") from None
     workload = workload_from_config(cfg)
+    runtime = _runtime(cfg, flags)
     if flags.get("plot"):
         try:
             import matplotlib  # noqa: F401  (checked before any work)
@@ -164,7 +178,7 @@ def _plan(argv: list[str]) -> int:
     name = cfg.model.preset
     if "layout" in flags:
         layouts = [parse_layout(flags["layout"], base)]
-        candidates = _evaluate_given(cfg, workload, hw, layouts, ["--layout"])
+        candidates = _evaluate_given(cfg, workload, hw, layouts, ["--layout"], runtime)
         title = f"{name} on {layouts[0].world_size} x {hw.name}: the given layout"
     elif "layouts" in flags:
         path = Path(flags["layouts"])
@@ -175,14 +189,14 @@ def _plan(argv: list[str]) -> int:
             raise PlanError(f"--layouts file {path} has no layouts; write one JSON object per line")
         layouts = [parse_layout_line(line, n, base) for n, line in lines]
         candidates = _evaluate_given(cfg, workload, hw, layouts,
-                                     [f"line {n} of --layouts" for n, _ in lines])
+                                     [f"line {n} of --layouts" for n, _ in lines], runtime)
         title = f"{name} on {hw.name}: {len(candidates)} given layouts, in file order"
     else:
         gpus = cfg.cluster.gpus
         if gpus < 1:
             raise PlanError("give the cluster size with --cluster.gpus N (or a --layout to evaluate)")
         _check_nodes(gpus, hw.gpus_per_node, "a cluster")
-        result = search(cfg, workload, hw, runtime_for(planned_compile(cfg)), gpus)
+        result = search(cfg, workload, hw, runtime, gpus)
         ranked = []  # the winners, re-checked with the training code's full rules
         for est in result.ranked:
             if len(ranked) == top:
@@ -190,7 +204,7 @@ def _plan(argv: list[str]) -> int:
             if not layout_problem(cfg, workload, est.layout, gpus):
                 ranked.append(est)
         if not ranked:
-            raise PlanError(_fits_nowhere(cfg, workload, hw, gpus, result))
+            raise PlanError(_fits_nowhere(cfg, workload, hw, gpus, result, runtime))
         explain(ranked)  # the comparisons name the runner-up that survived the re-check
         candidates, rejected = ranked, result.rejected
         n_fitting, n_rejected = len(result.ranked), result.n_rejected
@@ -214,15 +228,15 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
-def _fits_nowhere(cfg, workload, hw, gpus: int, result) -> str:
+def _fits_nowhere(cfg, workload, hw, gpus: int, result, runtime) -> str:
     name = cfg.model.preset
-    lean = leanest_layout(cfg, workload, hw, runtime_for(planned_compile(cfg)), gpus)
+    lean = leanest_layout(cfg, workload, hw, runtime, gpus)
     if lean is None:
         reason = result.rejected[0].reason if result.rejected else "no degrees divide the cluster"
         return (f"no valid layout of {name} exists on {gpus} GPUs ({reason}); "
                 f"change --cluster.gpus or train.global_batch")
     need = f"; even the leanest layout ({lean[0].short()}) needs {lean[1] / GB:.1f} GB per GPU"
-    found = smallest_fitting_cluster(cfg, workload, hw, runtime_for(planned_compile(cfg)), 2 * gpus)
+    found = smallest_fitting_cluster(cfg, workload, hw, runtime, 2 * gpus)
     if found is None:
         return f"{name} fits on no cluster of {hw.name} GPUs{need}; use GPUs with more memory"
     n, layout = found

@@ -86,14 +86,22 @@ def nodes_spanned(link: Link) -> int:
     return 1 if link.intra_node else math.ceil(link.size / max(1, link.per_node))
 
 
+def fabric_falloff(link: Link, hw: Hardware) -> float:
+    """How much slower than its NICs' rate a group spanning several nodes runs because of the
+    fabric: 1 on a full-bisection fat tree (every NIC reaches any node at full rate), and
+    1 + (nodes - 1) / fabric_nodes on a tapered one (Hardware.fabric)."""
+    if hw.fabric != "tapered" or link.intra_node:
+        return 1.0
+    return 1 + (nodes_spanned(link) - 1) / hw.fabric_nodes
+
+
 def _bandwidth(link: Link, hw: Hardware) -> tuple[float, float]:
     """(bus bandwidth per rank, latency per ring step) of a collective on this group: NVLink
-    inside a node; across nodes the NICs of the members sharing a node, falling with the number
-    of nodes the group spans (Hardware.fabric_nodes)."""
+    inside a node; across nodes the NICs of the members sharing a node (slower on a tapered
+    fabric, fabric_falloff)."""
     if link.intra_node:
         return hw.intra_bw, hw.intra_latency_s
-    falloff = 1 + (nodes_spanned(link) - 1) / hw.fabric_nodes
-    return min(hw.intra_bw, link.per_node * hw.nic_bw) / falloff, hw.inter_latency_s
+    return min(hw.intra_bw, link.per_node * hw.nic_bw) / fabric_falloff(link, hw), hw.inter_latency_s
 
 
 def all_reduce_time(nbytes: float, link: Link, hw: Hardware, efficiency: float = 1.0) -> float:
@@ -121,7 +129,7 @@ def all_to_all_time(sent_bytes: float, link: Link, hw: Hardware) -> float:
         return 0.0
     if link.intra_node:
         return sent_bytes / hw.intra_bw + hw.intra_latency_s
-    falloff = 1 + (nodes_spanned(link) - 1) / hw.fabric_nodes
+    falloff = fabric_falloff(link, hw)
     off_node = sent_bytes * (link.size - link.per_node) / (link.size - 1)
     return max(off_node * falloff / hw.nic_bw, (sent_bytes - off_node) / hw.intra_bw) + hw.inter_latency_s
 
@@ -182,9 +190,12 @@ def ep_bytes_per_moe_layer(layout: Layout, tokens_local: float, dim: int, top_k:
 
 
 def pp_bytes_per_microbatch(layout: Layout, tokens_local: float, dim: int, act_bytes: int,
-                            chunks: int) -> float:
-    """Activation out and its gradient back, for each chunk boundary this rank owns."""
+                            chunks: int, scatter_gather: bool = False) -> float:
+    """Activation out and its gradient back, for each chunk boundary this rank owns. Each tp rank
+    sends its 1/tp of the sequence under sequence parallelism, and also without it where the
+    framework scatters the replicated activation over the tp ranks and all-gathers it over NVLink
+    on arrival (Megatron's scatter/gather optimisation, Narayanan et al. 2021 s4.1)."""
     if layout.pp == 1:
         return 0.0
-    seq_split = layout.tp if (layout.tp > 1 and layout.sp) else 1
+    seq_split = layout.tp if (layout.tp > 1 and (layout.sp or scatter_gather)) else 1
     return 2 * chunks * tokens_local * dim / seq_split * act_bytes

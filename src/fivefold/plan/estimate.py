@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivefold.plan import comm
+from fivefold.plan import comm, gemm
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.activations import keeps_gathered, rank_activation_elements
@@ -47,6 +47,8 @@ class Estimate:
     # The runtime profile's calibration error of tokens/s: (median, 90th percentile) of
     # |predicted / measured - 1| (Runtime.tokens_per_sec_error).
     error: tuple[float, float] = (0.0, 0.0)
+    profile: str = ""  # the runtime profile (framework) the time was predicted for
+    overlaps: str = ""  # what that framework overlaps
 
     @property
     def tokens_per_sec_band(self) -> dict:
@@ -67,7 +69,9 @@ class Estimate:
                 "tokens_per_sec_per_gpu": self.tokens_per_sec_per_gpu, "mfu": self.mfu,
                 "bubble_fraction": self.bubble_fraction,
                 "comm_bytes": {k: int(round(v)) for k, v in self.comm_bytes.items()},
-                "why": self.why, "tokens_per_sec_band": self.tokens_per_sec_band}
+                "why": self.why, "tokens_per_sec_band": self.tokens_per_sec_band,
+                "profile": self.profile, "overlaps": self.overlaps,
+                "time_parts_s": {k: v for k, v in self.time_parts.items() if v}}
 
 
 def _float8_flops_per_token(stats, groups, seq: int) -> float:
@@ -94,23 +98,31 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     n_moe = prank.moe_layers
     tokens_mb = layout.mbs * seq  # one micro-batch of one data-parallel rank
     tokens_local = tokens_mb / layout.cp
-    shards = layout.tp * layout.cp
-    achieved = hw.peak_flops * hw.matmul_efficiency
 
-    # MoE layers split their tokens over tp (parallel/tensor/apply.py), as the rest splits its matmuls.
-    flops = sum(count * stats.layer_flops_per_token(layer, seq) for layer, count in groups)
+    # Matmuls, each kind of layer at its GEMMs' efficiency (plan/gemm.py: by shape and GPU). The
+    # dense GEMMs see the rank's whole local sequence (sequence parallelism gathers it) and 1/tp
+    # of the weights; MoE layers split their tokens over tp (parallel/tensor/apply.py).
     recomputed = 4 / 3 if layout.recompute == "full" else 1.0  # full recomputation: a second forward
-    per_token = recomputed * flops / shards
+    peak = hw.peak_flops
+    fp8 = bool(workload.fp8) and hw.has_fp8
+    speedup = runtime.float8_linear_speedup if fp8 else 1.0
+    rows = tokens_local / layout.tp  # tokens per rank-share of a per-token FLOP count
+    compute = attention = 0.0
+    for layer, count in groups:
+        moe = stats.is_moe(layer)
+        eff_dense, eff_fp8, eff_experts = gemm.layer_efficiencies(
+            stats, moe, tokens_local, layout.tp, layout.ep, hw, speedup, runtime.float8_casts(fp8))
+        attn = stats.layer_attention_flops_per_token(layer, seq)
+        experts = stats.moe_flops_per_token(layer)
+        dense = stats.layer_flops_per_token(layer, seq) - attn - experts
+        in_fp8 = _float8_flops_per_token(stats, ((layer, 1),), seq) if fp8 else 0.0
+        seconds = ((dense - in_fp8) / eff_dense + in_fp8 / eff_fp8 + experts / eff_experts
+                   + attn / hw.matmul_efficiency) / peak
+        compute += count * recomputed * rows * seconds
+        attention += count * attn * rows / (peak * hw.matmul_efficiency)
     if prank.has_output:
-        per_token += stats.output_flops_per_token / shards
-    # Attention's share (a sliding-window layer's queries see at most its window of keys).
-    layer_attention = sum(count * stats.layer_attention_flops_per_token(layer, seq) for layer, count in groups)
-    attn_per_token = layer_attention / shards
-    linear = (per_token - recomputed * attn_per_token) * tokens_mb / achieved
-    if workload.fp8:  # train.fp8: its projections' matmuls get the FP8 speed-up; a bf16 run gets none
-        fp8 = recomputed * _float8_flops_per_token(stats, groups, seq) / shards * tokens_mb / achieved
-        linear -= fp8 * (1 - 1 / runtime.float8_linear_speedup)
-    compute = linear + recomputed * attn_per_token * tokens_mb / achieved
+        compute += (stats.output_flops_per_token * rows
+                    / (peak * gemm.output_efficiency(stats, tokens_local, layout.tp, hw)))
     # Elementwise work (norms, residuals, RoPE, SwiGLU, casts, the loss) is bound by memory
     # bandwidth: a few passes over the activations each layer saves, and over the logits.
     traffic = (rank_activation_elements(stats, prank, layout, seq, "none", hw.fuses_attention(stats))
@@ -118,7 +130,6 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     if prank.has_output:
         traffic += 2 * tokens_local * stats.vocab_size / layout.tp * runtime.logits_bytes_per_element
     compute += traffic / hw.hbm_bw
-    attention = layer_attention * tokens_mb / shards / achieved
 
     # Tensor parallelism: 8 collectives per layer and 2 for the output projection in the compute
     # dtype, 2 for the vocab-parallel embedding in the residual stream's (the weights') dtype; each
@@ -131,7 +142,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     heads = prank.has_output * (1 + stats.mtp_depth)
     n_tp = 8 * n_layers - (4 if layout.sp else 2) * n_moe + 2 * heads
     if (runtime.activation_recipe == "fivefold" and layout.tp > 1 and layout.sp and layout.recompute == "none"
-            and not keeps_gathered(workload, runtime)):
+            and not keeps_gathered(workload, runtime) and not runtime.regather_overlapped):
         # Backward gathers each gathered input again from the shard its matmuls kept
         # (parallel/tensor/sharded_inputs.py): attention's, a dense MLP's and the output layer's. (The
         # nanotron profile's constants were fitted on its runs as they are.)
@@ -153,9 +164,14 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     ep_one = comm.ep_bytes_per_moe_layer(layout, tokens_local / layout.tp, stats.dim, stats.top_k, pr.act_bytes)
     ep_b = n_moe * ep_one
     ep_t = n_moe * 4 * comm.all_to_all_time(ep_one / 4, links["ep"], hw)  # 4 exchanges/layer
+    if runtime.ep_overlap == "always" or (runtime.ep_overlap == "dualpipe" and layout.pp_schedule == "dualpipev"):
+        # Dispatch and combine run under compute: DualPipe(V) pairs one micro-batch's forward with
+        # another's backward; Megatron-core splits a micro-batch in two. What exceeds the compute shows.
+        ep_t = max(0.0, ep_t - compute)
 
     v = chunks_per_rank(layout)
-    pp_b = comm.pp_bytes_per_microbatch(layout, tokens_local, stats.dim, pr.act_bytes, v)
+    pp_b = comm.pp_bytes_per_microbatch(layout, tokens_local, stats.dim, pr.act_bytes, v,
+                                        runtime.pp_scatter_gather)
     pp_t = 2 * v * comm.p2p_time(pp_b / (2 * v), links["pp"], hw) if pp_b else 0.0
 
     gpu = compute + tp_t + cp_t + ep_t + pp_t
@@ -171,8 +187,9 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
 
 
 def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime, dense: float,
-             experts: float, m: int, root: float = 0.0) -> tuple[float, float, float]:
-    """(bytes, overlappable seconds, exposed-anyway seconds) of data-parallel traffic per step.
+             experts: float, m: int, root: float = 0.0) -> tuple[float, float, float, float]:
+    """(bytes, seconds overlappable with backward, seconds overlappable with the next step's first
+    forward, exposed-anyway seconds) of data-parallel traffic per step.
 
     ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters them once and all-gathers
     the updated weights after the step; ZeRO-2 keeps only a gradient shard, so it reduce-scatters
@@ -187,7 +204,7 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     group = comm.placement(layout, order, dims, gpn)
     replicas = layout.dp // (layout.dp_shard or layout.dp)
     replica_link = comm.Link(replicas, replicas if group.intra_node else 1)
-    total_bytes = hidden = exposed = 0.0
+    total_bytes = hidden = ahead = exposed = 0.0
     dense_link = comm.Link(layout.shard_degree, min(group.per_node, layout.shard_degree))
     under_ep = layout.ep > 1  # without it the experts are dense weights, reduced as they are
     expert_link = comm.expert_links(layout, order, gpn)[1] if under_ep else dense_link
@@ -204,7 +221,10 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
             reductions = 1 if layout.zero == 1 else m
             total_bytes += (n - 1) / n * (reductions * grads + weights)
             hidden += reductions * comm.gather_time(grads, link, hw, eff)
-            exposed += comm.gather_time(weights, link, hw, eff)
+            if runtime.param_gather_overlapped:  # under the next step's first forward, layer by layer
+                ahead += comm.gather_time(weights, link, hw, eff)
+            else:
+                exposed += comm.gather_time(weights, link, hw, eff)
         elif runtime.fsdp_gather_once_in_pipeline and layout.pp > 1:
             # torchtitan under a pipeline: blocks stay gathered over all micro-batches of a step
             # (reshard_after_forward=False) and gradients are reduce-scattered once.
@@ -222,7 +242,7 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
         if replicas > 1 and layout.zero > 0 and replicated:
             total_bytes += 2 * (replicas - 1) / replicas * grads / n
             hidden += comm.all_reduce_time(grads / n, replica_link, hw, eff)
-    return total_bytes, hidden, exposed
+    return total_bytes, hidden, ahead, exposed
 
 
 def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
@@ -255,7 +275,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     # Data parallelism and the optimizer step, on the rank with the most parameters.
     heaviest = max(ranks, key=lambda p: sum(rank_param_counts(stats, layout, p)))
     dense, experts = rank_param_counts(stats, layout, heaviest)
-    dp_bytes, dp_hidden, dp_exposed = _dp_time(workload, layout, hw, runtime, dense, experts, m,
+    dp_bytes, dp_hidden, dp_ahead, dp_exposed = _dp_time(workload, layout, hw, runtime, dense, experts, m,
                                                root_params(stats, layout, heaviest))
     if layout.zero >= 3:  # FSDP prefetches under every micro-batch's compute
         window = m * worst["compute"]
@@ -263,7 +283,8 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
         window = m * BACKWARD_SHARE * worst["compute"]
     else:  # bucketed gradient reduction under the last micro-batch's backward
         window = BACKWARD_SHARE * worst["compute"]
-    dp_visible = max(0.0, dp_hidden - window * runtime.dp_overlap_fraction) + dp_exposed
+    dp_visible = (max(0.0, dp_hidden - window * runtime.dp_overlap_fraction) + dp_exposed
+                  + max(0.0, dp_ahead - (1 - BACKWARD_SHARE) * worst["compute"]))
     local = (dense / layout.shard_degree + experts / expert_shard_degree(layout)
              if layout.zero >= 1 else dense + experts)
     # Adam reads and writes master weights and both moments, reads the gradient, writes weights.
@@ -297,4 +318,5 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     return Estimate(layout=layout, memory=memory, memory_limit=hw.memory_bytes, step_time_s=step,
                     tokens_per_sec_per_gpu=tok_s_gpu, mfu=mfu,
                     bubble_fraction=bubble_fraction(layout, m), comm_bytes=comm_bytes,
-                    time_parts=parts, error=runtime.tokens_per_sec_error)
+                    time_parts=parts, error=runtime.tokens_per_sec_error, profile=runtime.name,
+                    overlaps=runtime.overlaps)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 GB = 1e9
 TB = 1e12
+FABRICS = ("full_bisection", "tapered")  # Hardware.fabric
 
 
 @dataclass(frozen=True)
@@ -26,20 +27,35 @@ class Hardware:
     intra_bw: float  # achievable collective bus bandwidth inside a node (NVLink), bytes/s per GPU
     nic_bw: float  # achievable network bandwidth per GPU (one NIC per GPU), bytes/s
     gpus_per_node: int = 8
-    # Share of peak that a transformer's matmuls + fused attention reach in a real training step
-    # (not a microbenchmark). Fitted with Runtime.elementwise_passes on both data sets
-    # (benchmarks/calibrate_time.py): 0.55.
+    # Share of the dense peak that a large GEMM (and the fused attention kernel) sustains inside a
+    # training step: below a microbenchmark's, since clocks fall under a whole step's power draw.
+    # Smaller GEMMs reach less (plan/gemm.py: the fill time below and the memory roofline).
+    # H100: fitted with Runtime.elementwise_passes on the Playbook's and torchtitan's runs
+    # (benchmarks/calibrate_time.py); other GPUs in PROFILES, each with its source.
     matmul_efficiency: float = 0.55
+    # Ramp-up and tail of one GEMM kernel (first wave filling the SMs, K-loop prologue, epilogue,
+    # last partial wave): about one wave of 128x256 tiles. With it a 1024^3 bf16 GEMM reaches a
+    # quarter of peak and a 4096^3 one two thirds, as published cuBLAS sweeps show on H100 and A100
+    # (NVIDIA's "Matrix Multiplication Background" guide; plan/gemm.py).
+    gemm_fill_s: float = 6e-6
+    # Whether the tensor cores run FP8 (Hopper, Blackwell); A100 has none: train.fp8 gains nothing.
+    has_fp8: bool = True
     # Latency of one step of a ring collective (a ring over n ranks takes n-1 steps).
     intra_latency_s: float = 10e-6  # NVLink hop
     # IB hop as seen by NCCL rings spanning nodes. Fitted (calibrate_time.py): the Playbook's tp=16
     # (2 nodes) and tp=32 (4 nodes) runs at 1 sequence per micro-batch take 8 and 16 ms per layer
     # for every model size, i.e. latency-bound: 8 collectives x (t-1) steps x ~50 us.
     inter_latency_s: float = 57e-6
-    # A collective spanning k nodes reaches nic_bw / (1 + (k - 1) / fabric_nodes) per GPU: the
-    # more nodes a ring or tree crosses, the more of its traffic goes through the spine switches
-    # (oversubscribed, shared with other flows). Calibrated on both data sets (calibrate_time.py).
-    fabric_nodes: float = 36.0
+    # The network between nodes (the [cluster] key `fabric`):
+    #   'full_bisection' (default): a rail-optimised fat tree, as DGX SuperPODs and the H100/B200
+    #     clusters of the published runs are built: every GPU's NIC reaches any other node at its
+    #     full rate, so a collective's bandwidth per GPU does not fall with the nodes it spans;
+    #   'tapered': an oversubscribed fabric, where a collective spanning k nodes reaches
+    #     nic_bw / (1 + (k - 1) / fabric_nodes) per GPU (more of its traffic crosses the spine,
+    #     shared with other jobs). fabric_nodes = 39.6 was fitted on the Playbook's cluster
+    #     (benchmarks/calibrate_time.py), the one data set that shows such a falloff.
+    fabric: str = "full_bisection"
+    fabric_nodes: float = 39.6
     # Nodes under one set of leaf switches (a DGX SuperPOD "scalable unit" is 32 nodes): a job
     # larger than that has every transfer's path cross the spine.
     scalable_unit_nodes: int = 32
@@ -78,21 +94,35 @@ def device_peak_flops(device_name: str, dtype: str) -> float | None:
     return None
 
 
-# Datasheet values (NVIDIA SXM parts, DGX-style nodes of 8 GPUs with one 400 Gb/s NIC per GPU).
+# Datasheet values (NVIDIA SXM parts, DGX/HGX-style nodes of 8 GPUs with one 400 Gb/s NIC per GPU).
 # Bus bandwidths are what NCCL reaches, about 80% of the link rate: NVLink 4 moves 450 GB/s each
 # way per GPU, so ~360 GB/s; a 400 Gb/s NIC moves 50 GB/s, so ~40 GB/s.
+# matmul_efficiency by GPU: H100's is fitted (see Hardware). The others follow from it by the ratio
+# of what large bf16 GEMMs sustain in published cuBLAS sweeps relative to peak (A100 ~0.85-0.9 of
+# 312 TFLOP/s at 400 W; H100 SXM ~0.7-0.75 of 989 at 700 W, power-bound clocks; B200 ~0.7 of 2,250
+# at 1,000 W): A100 x1.2, H200/H800 = H100 (the same die and clocks), B200 x0.95. They are not
+# fitted to any published training run (the A100 rows of ../shared/data/published_runs_dev.csv
+# check the A100 figure; docs/planner.md).
+H100_MATMUL_EFFICIENCY = 0.55
 PROFILES: dict[str, Hardware] = {
     "a100": Hardware("a100", peak_flops=PEAK_FLOPS["a100"][0], memory_bytes=80 * GB, hbm_bw=2.0 * TB,
-                     intra_bw=240 * GB, nic_bw=20 * GB),  # NVLink 3 (300 GB/s/dir), 200 Gb/s HDR
+                     intra_bw=240 * GB, nic_bw=20 * GB,  # NVLink 3 (300 GB/s/dir), 200 Gb/s HDR
+                     matmul_efficiency=1.2 * H100_MATMUL_EFFICIENCY, gemm_fill_s=8e-6, has_fp8=False),
     "h100": Hardware("h100", peak_flops=PEAK_FLOPS["h100"][0], memory_bytes=80 * GB, hbm_bw=3.35 * TB,
-                     intra_bw=360 * GB, nic_bw=40 * GB),
+                     intra_bw=360 * GB, nic_bw=40 * GB, matmul_efficiency=H100_MATMUL_EFFICIENCY),
     "h200": Hardware("h200", peak_flops=PEAK_FLOPS["h200"][0], memory_bytes=141 * GB, hbm_bw=4.8 * TB,
-                     intra_bw=360 * GB, nic_bw=40 * GB),
+                     intra_bw=360 * GB, nic_bw=40 * GB, matmul_efficiency=H100_MATMUL_EFFICIENCY),
+    # H800: the H100 die with NVLink cut to 400 GB/s both ways (200 GB/s each way, ~160 GB/s bus);
+    # DeepSeek's cluster: 8 x 400 Gb/s InfiniBand NICs per node (DeepSeek-V3 report, s3.1).
+    "h800": Hardware("h800", peak_flops=PEAK_FLOPS["h800"][0], memory_bytes=80 * GB, hbm_bw=3.35 * TB,
+                     intra_bw=160 * GB, nic_bw=40 * GB, matmul_efficiency=H100_MATMUL_EFFICIENCY),
     "b200": Hardware("b200", peak_flops=PEAK_FLOPS["b200"][0], memory_bytes=180 * GB, hbm_bw=8.0 * TB,
-                     intra_bw=720 * GB, nic_bw=40 * GB),  # NVLink 5 (900 GB/s/dir), 400 Gb/s NIC
+                     intra_bw=720 * GB, nic_bw=40 * GB,  # NVLink 5 (900 GB/s/dir), 400 Gb/s NIC
+                     matmul_efficiency=0.95 * H100_MATMUL_EFFICIENCY, gemm_fill_s=4e-6),
     # One CPU process of a laptop run under gloo: for comparing with local runs, not for speed claims.
     "cpu": Hardware("cpu", peak_flops=0.1 * TB, memory_bytes=16 * GB, hbm_bw=20 * GB,
                     intra_bw=4 * GB, nic_bw=1 * GB, gpus_per_node=64, matmul_efficiency=0.5,
+                    gemm_fill_s=0.0, has_fp8=False,
                     intra_latency_s=100e-6, inter_latency_s=200e-6,  # CPU SDPA is a flash kernel too,
                     fused_attention_distinct_v=False),  # for equal q/k and v head dims only
 }
@@ -143,7 +173,7 @@ class Runtime:
     slot_stall_s: float = 0.0
     # Elementwise kernels read and write each saved activation this many times over forward and
     # backward (memory-bound work that the matmul efficiency does not cover); compile fuses them.
-    elementwise_passes: float = 4.0
+    elementwise_passes: float = 6.1
     # Share of tensor-parallel communication the GPU does not hide behind matmuls (fivefold's
     # DTensor TP runs its collectives between the matmuls: nothing hidden).
     tp_exposed_fraction: float = 1.0
@@ -157,17 +187,45 @@ class Runtime:
     # Fixed cost of every optimizer step beyond the optimizer's memory traffic: gradient norm and
     # clipping, zeroing, loss reduction, logging (many small kernels per parameter tensor).
     step_overhead_s: float = 0.08
-    # FP8 linear layers (train.fp8, torchao's float8 recipes): how much faster the matmuls of the
-    # dense projections run, after the casts, than in bf16 (the FP8 peak is 2x). Applied only to a
-    # workload that trains in FP8 (plan/estimate.py); fitted on torchtitan's float8 rows, which use
-    # the same torchao kernels (benchmarks/calibrate_time.py).
-    float8_linear_speedup: float = 1.16
+    # FP8 linear layers (train.fp8): the rate a large FP8 GEMM reaches over a bf16 one (the FP8
+    # peak is 2x; plan/gemm.py), before the casts below. Applied only to a workload that trains in
+    # FP8, on a GPU with FP8 tensor cores. Fitted on torchtitan's float8 rows (torchao's kernels;
+    # benchmarks/calibrate_time.py), held-out rows reported apart.
+    float8_linear_speedup: float = 1.40
+    # Memory traffic per operand element to scale and cast it to FP8 before each GEMM pass (amax
+    # read, cast read and write): torchao's separate kernels read bf16 twice and write FP8 once
+    # (2 + 2 + 1); Transformer Engine fuses the cast into the producing kernel (about 1).
+    float8_cast_bytes_per_element: float = 5.0
+    # ZeRO-1/2's all-gather of the updated weights after the optimizer step: exposed (fivefold,
+    # nanotron) or hidden under the next step's first forward (Megatron's --overlap-param-gather).
+    param_gather_overlapped: bool = False
+    # Expert all-to-all under compute: 'dualpipe' (only the DualPipe(V) schedule, which runs one
+    # micro-batch's forward beside another's backward, hides it), 'always' (a framework that splits
+    # each micro-batch to overlap dispatch/combine with the other half's compute, e.g.
+    # Megatron-core's --overlap-moe-expert-parallel-comm / DeepEP), or 'none'.
+    ep_overlap: str = "dualpipe"
+    # Megatron's sequence parallelism gathers a linear layer's input again in backward too, but
+    # under the input-gradient GEMM (Korthikanti et al. 2022 s4.2.2); fivefold's re-gather is exposed.
+    regather_overlapped: bool = False
+    # Pipeline sends split over the tp ranks even without sequence parallelism, re-gathered over
+    # NVLink on arrival (Megatron's scatter/gather optimisation, Narayanan et al. 2021 s4.1).
+    pp_scatter_gather: bool = False
+    # The framework this profile stands for and what it overlaps (printed with each prediction).
+    name: str = "fivefold-eager"
+    overlaps: str = ("dp gradient buckets under the last backward (zero 0/1), every backward "
+                     "(zero 2), FSDP prefetch (zero 3); ring attention under its blocks; expert "
+                     "all-to-all only under dualpipev; tp and pp exposed")
     # torchtitan only (its PP + FSDP keeps blocks gathered across a step's micro-batches);
     # fivefold gathers each block for every micro-batch's forward and backward (parallel/data/fsdp.py).
     fsdp_gather_once_in_pipeline: bool = False
+
     # The calibration's tokens/s error for this profile (median, 90th percentile of |pred/meas-1|),
     # printed as the uncertainty band beside every prediction.
     tokens_per_sec_error: tuple[float, float] = (0.092, 0.27)  # torchtitan's 18 runs
+
+    def float8_casts(self, fp8: bool) -> float:
+        """Cast traffic per operand element of an FP8 GEMM pass (0 for a bf16 one)."""
+        return self.float8_cast_bytes_per_element if fp8 else 0.0
 
 
 # fivefold eager: calibrated on torchtitan's bf16/FP8 runs (8-512 H100s), the PyTorch-native
@@ -175,23 +233,58 @@ class Runtime:
 FIVEFOLD_EAGER = Runtime()
 # fivefold with train.compile: Inductor fuses the elementwise chains (fewer passes over memory,
 # fewer and longer kernels).
-FIVEFOLD_COMPILED = dataclasses.replace(FIVEFOLD_EAGER, elementwise_passes=3.1, kernels_per_layer=40,
-                                        regathers_inputs=False)
+FIVEFOLD_COMPILED = dataclasses.replace(FIVEFOLD_EAGER, elementwise_passes=4.76, kernels_per_layer=40,
+                                        regathers_inputs=False, name="fivefold-compiled")
 DEFAULT_RUNTIME = FIVEFOLD_EAGER
 # The Playbook's runs were made with nanotron: its activations, async TP linear (part of the tp
 # traffic hidden), fp32 gradient buffers reduced after the last backward, and its own host costs
 # (calibrated on playbook_runs_dev.csv, benchmarks/calibrate_time.py --profile nanotron).
 NANOTRON_RUNTIME = dataclasses.replace(
-    DEFAULT_RUNTIME, activation_recipe="nanotron", launch_s=7.4e-6, collective_host_s=425e-6,
-    pp_cross_node_wait_per_tp_peer_s=0.286e-3, slot_stall_s=0.88,
+    DEFAULT_RUNTIME, activation_recipe="nanotron", launch_s=8.1e-6, collective_host_s=425e-6,
+    pp_cross_node_wait_per_tp_peer_s=0.286e-3, slot_stall_s=0.90,
     dp_bw_efficiency=0.92, elementwise_passes=6.4, dp_overlap_fraction=0.0,
-    tokens_per_sec_error=(0.116, 2.27))  # the Playbook's 1,620 runs (90th pct: the stalled runs)
+    tokens_per_sec_error=(0.116, 2.27),  # the Playbook's 1,620 runs (90th pct: the stalled runs)
+    name="nanotron", overlaps="nothing of dp (fp32 buffers reduced after the last backward); "
+    "tp exposed; a stall per pipeline slot beyond 32 nodes (the Playbook's cluster)")
+# torchtitan (PyTorch-native: FSDP2, DTensor TP, torch.distributed.pipelining), compiled as its
+# published runs are: fivefold's compiled profile with torchtitan's FSDP-under-PP policy (blocks
+# kept gathered over a step's micro-batches). benchmarks/planner_accuracy.py predicts its runs.
+TORCHTITAN_RUNTIME = dataclasses.replace(
+    FIVEFOLD_COMPILED, fsdp_gather_once_in_pipeline=True, name="torchtitan",
+    overlaps="FSDP2 gathers and reduce-scatters under compute (blocks kept gathered under PP); "
+    "tp and pp exposed")
+# Megatron-LM as published by NVIDIA in 2021-22 (Narayanan et al. 2021; Korthikanti et al. 2022)
+# and as Megatron-DeepSpeed ran MT-NLG and BLOOM: fused elementwise kernels (bias-GeLU,
+# bias-dropout-add, fused softmax and layer norm: the compiled profile's passes), Megatron's own
+# host path (one launch per fused op), tp collectives between the matmuls (exposed), the gradient
+# all-reduce after the last backward (Korthikanti et al. s6.3: "not overlapped").
+MEGATRON_2022_RUNTIME = dataclasses.replace(
+    FIVEFOLD_COMPILED, regathers_inputs=True, regather_overlapped=True, pp_scatter_gather=True,
+    dp_overlap_fraction=0.0, ep_overlap="none",
+    name="megatron-2022", overlaps="nothing: tp, pp and the dp all-reduce exposed (A100-era "
+    "Megatron-LM and Megatron-DeepSpeed)")
+# Megatron-core / NeMo (2024-25, what NVIDIA's H100 and B200 runs use): Transformer Engine with tp
+# communication overlapped with the GEMMs (userbuffers; NeMo's tp_comm_overlap, most of it hidden),
+# the distributed optimizer with --overlap-grad-reduce and --overlap-param-gather, FP8 casts fused
+# into the producing kernels, and expert all-to-all overlapped with compute.
+MEGATRON_RUNTIME = dataclasses.replace(
+    MEGATRON_2022_RUNTIME, dp_overlap_fraction=1.0, param_gather_overlapped=True,
+    tp_exposed_fraction=0.25, float8_cast_bytes_per_element=1.0, ep_overlap="always",
+    name="megatron", overlaps="tp collectives under the GEMMs (TE userbuffers, a quarter left "
+    "exposed), dp gradient reduce-scatter under backward and the weight all-gather under the next "
+    "forward (distributed optimizer), expert all-to-all under compute; pp exposed")
+FRAMEWORKS: dict[str, Runtime] = {
+    "fivefold": FIVEFOLD_EAGER, "fivefold-compiled": FIVEFOLD_COMPILED, "nanotron": NANOTRON_RUNTIME,
+    "torchtitan": TORCHTITAN_RUNTIME, "megatron-2022": MEGATRON_2022_RUNTIME, "megatron": MEGATRON_RUNTIME,
+    "nemo": MEGATRON_RUNTIME,
+}
 
 
 def runtime_for(compile: bool = False, family: str = "fivefold") -> Runtime:
-    """The runtime profile of a run: fivefold eager or compiled, or 'nanotron'."""
-    if family == "nanotron":
-        return NANOTRON_RUNTIME
+    """The runtime profile of a run: fivefold eager or compiled, or another framework's profile
+    by name (FRAMEWORKS: what each overlaps is in its `overlaps`)."""
+    if family and family != "fivefold":
+        return FRAMEWORKS[family]
     return FIVEFOLD_COMPILED if compile else FIVEFOLD_EAGER
 
 
@@ -215,5 +308,9 @@ def hardware_from_cluster(cluster) -> Hardware:
         "memory_bytes": getattr(cluster, "memory_gb", 0) * GB,
         "intra_bw": getattr(cluster, "intra_gbps", 0) * GB,
         "nic_bw": getattr(cluster, "inter_gbps", 0) * GB,
+        # cluster.fabric where the config defines it: full_bisection (the default) or tapered
+        "fabric": getattr(cluster, "fabric", ""),
     }
+    if extra["fabric"] and extra["fabric"] not in FABRICS:
+        raise ValueError(f"cluster.fabric='{extra['fabric']}' is not one of {', '.join(FABRICS)}")
     return hardware_for(cluster.gpu, cluster.gpus_per_node, **extra)

@@ -66,7 +66,8 @@ def table(candidates: list[Estimate], title: str, rejected: list[Rejected] | Non
             com = " ".join(f"{est.comm_bytes[k] / GB:.2g}" for k in ("dp", "tp", "pp", "cp", "ep"))
             lines.append(f"{i + 1}. memory {mem} | comm {com}")
     if candidates:
-        lines += ["", "± p50/p90: the time model's tokens/s error on published runs (half within the "
+        lines += ["", f"time profile: {candidates[0].profile} (overlaps {candidates[0].overlaps})"]
+        lines += ["± p50/p90: the time model's tokens/s error on published runs (half within the "
                   "first, nine in ten within the second; benchmarks/RESULTS.md)"]
     if n_fitting is not None:
         lines += ["", f"{n_fitting} layouts fit; showing the top {len(candidates)}."]

@@ -287,8 +287,9 @@ def explain_single(est: Estimate) -> None:
         return
     total = est.step_time_s
     parts = sorted(est.time_parts.items(), key=lambda kv: -kv[1])
-    shown = ", ".join(f"{_PART_NAMES.get(k, k)} {v / total:.0%}" for k, v in parts[:3] if v > 0)
-    est.why = f"fits with {(est.memory_limit - est.memory.total) / GB:.1f} GB to spare; step time: {shown}"
+    shown = ", ".join(f"{_PART_NAMES.get(k, k)} {v / total:.0%}" for k, v in parts if v >= 0.005 * total)
+    est.why = (f"fits with {(est.memory_limit - est.memory.total) / GB:.1f} GB to spare; step time "
+               f"({est.profile} profile): {shown}")
 
 
 # ---------------------------------------------------------------------------- fits nowhere
