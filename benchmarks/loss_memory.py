@@ -5,7 +5,7 @@ Each measurement runs in a fresh subprocess (`--one plain|chunked`), so no alloc
 over. It holds the hidden states h (tokens, dim) and the output weight W (vocab, dim), resets the
 process's peak resident set (Linux: writing 5 to /proc/self/clear_refs resets VmHWM to the current
 VmRSS), then runs what a training step runs from there: logits = h Wᵀ in the compute dtype, the loss,
-and backward to h and W. The loss's *extra* peak memory is
+and backward to h and W (its wall time is printed too: one step, noisy on a shared CPU). The loss's *extra* peak memory is
 
     VmHWM - VmRSS at the reset - the compute-dtype logits,
 
@@ -13,7 +13,10 @@ i.e. what the step's peak holds beyond its inputs and the logits the output proj
 produce; it is reported against the whole fp32 logits (tokens · vocab · 4 bytes). It includes the
 gradients of h and W where they are alive at the peak (small at dim 64: 9 MiB at vocab 32768), and
 resident memory counts whole pages and any memory the allocator keeps after a free, so it can only
-overstate the loss's own extra. Where clear_refs cannot be written the fresh
+overstate the loss's own extra. The measuring process runs with glibc's MALLOC_MMAP_THRESHOLD_
+fixed at 64 KiB (the script re-executes itself with it): every tensor buffer is then its own
+mapping, returned to the system when freed, so resident memory follows the live tensors and memory
+kept by the allocator from the warm-up step cannot hide in the baseline. Where clear_refs cannot be written the fresh
 process's ru_maxrss (getrusage) is used instead, the baseline being its value before the step.
 
     OMP_NUM_THREADS=1 python benchmarks/loss_memory.py                 # both losses, fp32 and bf16
@@ -28,8 +31,10 @@ import os
 import resource
 import subprocess
 import sys
+import time
 
 KIB = 1024
+MMAP_THRESHOLD = str(64 * KIB)
 
 
 def _status(field: str) -> int:
@@ -80,7 +85,9 @@ def measure(which: str, dtype_name: str, tokens: int, vocab: int, dim: int) -> d
     step()  # once to warm up the allocator and lazily created state
     h.grad = w.grad = None
     base, how = _reset_peak()
+    start = time.perf_counter()
     loss = step()
+    seconds = time.perf_counter() - start
     peak = _peak(how)
     element = torch.empty((), dtype=dtype).element_size()
     logits_bytes = tokens * vocab * element
@@ -88,7 +95,8 @@ def measure(which: str, dtype_name: str, tokens: int, vocab: int, dim: int) -> d
     extra = peak - base - logits_bytes
     return {"loss": which, "dtype": dtype_name, "tokens": tokens, "vocab": vocab, "dim": dim,
             "peak_read": how, "value": float(loss), "fp32_logits_MiB": fp32_logits / 2 ** 20,
-            "extra_MiB": extra / 2 ** 20, "extra_over_fp32_logits": extra / fp32_logits}
+            "extra_MiB": extra / 2 ** 20, "extra_over_fp32_logits": extra / fp32_logits,
+            "step_s": seconds}
 
 
 def main() -> None:
@@ -101,13 +109,16 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.one:
+        if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:  # see the module doc
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD_="0")
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
         result = measure(args.one, args.dtype, args.tokens, args.vocab, args.dim)
         print(json.dumps(result) if args.json else result)
         return
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print(f"tokens {args.tokens}, vocab {args.vocab}, dim {args.dim}: whole fp32 logits "
           f"{args.tokens * args.vocab * 4 / 2 ** 20:.0f} MiB")
-    print(f"{'dtype':6} {'loss':8} {'extra peak MiB':>15} {'x fp32 logits':>14} {'loss value':>12}")
+    print(f"{'dtype':6} {'loss':8} {'extra peak MiB':>15} {'x fp32 logits':>14} {'loss value':>12} {'step s':>7}")
     for dtype in ("fp32", "bf16"):
         for which in ("plain", "chunked"):
             out = subprocess.run([sys.executable, __file__, "--one", which, "--dtype", dtype, "--tokens",
@@ -115,7 +126,7 @@ def main() -> None:
                                  capture_output=True, text=True, env=env, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"{dtype:6} {which:8} {r['extra_MiB']:15.1f} {r['extra_over_fp32_logits']:14.3f} "
-                  f"{r['value']:12.6f}   (peak read from {r['peak_read']})")
+                  f"{r['value']:12.6f} {r['step_s']:7.3f}   (peak read from {r['peak_read']})")
 
 
 if __name__ == "__main__":

@@ -162,8 +162,8 @@ def _drop_kept_logits(stage) -> None:
     """The last stage's backward starts from the loss, not from the stage's output; the schedule
     keeps that output (the logits, vocabulary-wide) until the backward only to return it to a
     caller, which return_outputs=False declines. Dropping the schedule's reference leaves the
-    logits to the loss's graph, which keeps what its backward needs (the log-softmax), as in the
-    run without a pipeline."""
+    logits to the loss's graph alone, as in the run without a pipeline: the chunked loss
+    (parallel/loss.py) keeps them and writes their gradient into them, which no other reader may see."""
     def dropping(forward):
         def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
             output = forward(fwd_chunk_id, *args, **kwargs)
