@@ -298,13 +298,66 @@ def _print_titan(path: Path, rows: list[dict]) -> dict:
     return summary
 
 
+# ------------------------------------------------ published large runs, each with its framework
+
+PUBLISHED_CSV = REPO / ".." / "shared" / "data" / "published_runs_dev.csv"
+PUBLISHED_TOOL = REPO / ".." / "shared" / "tools" / "published_runs.py"
+# The framework each published run was made with, by a word of its source, and the planner
+# profile that stands for it (plan/hardware.py FRAMEWORKS: what each overlaps).
+FRAMEWORK_BY_SOURCE = (
+    ("Korthikanti", "megatron-2022"),  # Megatron-LM on Selene, 2022
+    ("Narayanan", "megatron-2022"),  # Megatron-LM, 2021
+    ("MT-NLG", "megatron-2022"),  # Megatron-DeepSpeed: Megatron's kernels, DeepSpeed's pipeline and ZeRO-1
+    ("bigscience", "megatron-2022"),  # BLOOM: Megatron-DeepSpeed
+    ("fms-fsdp", "fivefold"),  # IBM: PyTorch FSDP, eager, as fivefold's own profile runs it
+)
+
+
+def framework_of(row: dict) -> str:
+    for word, name in FRAMEWORK_BY_SOURCE:
+        if word in row.get("source", ""):
+            return name
+    return "fivefold"
+
+
+def published_with_profiles(path: Path, tool: Path = PUBLISHED_TOOL) -> int:
+    """Run ../shared/tools/published_runs.py on `path` with each row's framework profile added to
+    its extra_args (`--framework NAME`), and print its table."""
+    import os
+    import subprocess
+    import tempfile
+
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        fields, rows = reader.fieldnames, list(reader)
+    for row in rows:
+        name = framework_of(row)
+        if name != "fivefold":
+            row["extra_args"] = (row.get("extra_args", "") + f" --framework {name}").strip()
+        print(f"  {row['name']}: {name} profile")
+    with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False, newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    fivefold = str(REPO / ".venv" / "bin" / "fivefold")
+    try:
+        return subprocess.run([sys.executable, str(tool), fivefold, out.name]).returncode
+    finally:
+        os.unlink(out.name)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--csv", action="append",
                     help="published runs (CSV; repeatable); default: both calibration files")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--worst", type=int, default=0, help="print the N worst tokens/s predictions")
+    ap.add_argument("--published", nargs="?", const=str(PUBLISHED_CSV),
+                    help="run ../shared/tools/published_runs.py on this CSV (default published_runs_dev.csv) "
+                         "with each row's framework profile")
     args = ap.parse_args(argv)
+    if args.published:
+        return published_with_profiles(Path(args.published))
     paths = [Path(p) for p in (args.csv or [DEFAULT_CSV, TORCHTITAN_CSV])]
     summaries = {}
     for path in paths:
