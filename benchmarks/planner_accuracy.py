@@ -346,6 +346,41 @@ def published_with_profiles(path: Path, tool: Path = PUBLISHED_TOOL) -> int:
         os.unlink(out.name)
 
 
+# Narayanan et al. 2021 (arXiv 2104.04473) Table 1, weak scaling of GPT on Selene (A100 80 GB):
+# (billions of parameters, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU). Sequence
+# 2048, vocabulary 51,200, activation recomputation (the TFLOP/s count it: Megatron's formula with
+# f = 4). Not stated per row, assumed: one sequence per micro-batch, 1F1B, GeLU MLP 4h written as
+# the parameter-equal SwiGLU (ffn 8h/3), as in published_runs_dev.csv.
+MEGATRON_TABLE1 = (
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+
+def write_megatron_table1(path: Path) -> Path:
+    """Table 1 as rows of the published-run tool's CSV format."""
+    header = PUBLISHED_CSV.open().readline().strip().split(",") if PUBLISHED_CSV.is_file() else None
+    fields = header or ["name", "group", "source", "gpu", "n_gpus", "dtype", "n_layers", "dim", "n_heads",
+                        "n_kv_heads", "ffn_dim", "vocab", "tie_embeddings", "seq_len", "global_batch_seqs", "tp",
+                        "pp", "dp", "cp", "ep", "zero", "sp", "mbs", "recompute", "pp_schedule", "pp_virtual",
+                        "measure", "published_value", "extra_args", "headline"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        writer.writeheader()
+        for size, heads, h, layers, tp, pp, gpus, batch, tflops in MEGATRON_TABLE1:
+            writer.writerow(dict(
+                name=f"megatron-table1-{size}b", group="megatron-t1", source="Narayanan et al. 2021 Table 1",
+                gpu="a100", n_gpus=gpus, dtype="bf16", n_layers=layers, dim=h, n_heads=heads, n_kv_heads=heads,
+                ffn_dim=round(8 * h / 3 / 64) * 64, vocab=51200, tie_embeddings="true", seq_len=2048,
+                global_batch_seqs=batch, tp=tp, pp=pp, dp=gpus // (tp * pp), cp=1, ep=1, zero=0, sp="false",
+                mbs=1, recompute="full", pp_schedule="1f1b", pp_virtual=1,
+                measure="tflops_per_gpu_megatron_hfu", published_value=tflops, headline="yes"))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--csv", action="append",
@@ -355,7 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--published", nargs="?", const=str(PUBLISHED_CSV),
                     help="run ../shared/tools/published_runs.py on this CSV (default published_runs_dev.csv) "
                          "with each row's framework profile")
+    ap.add_argument("--megatron-table1", action="store_true",
+                    help="the same on Narayanan et al. 2021 Table 1 (10 runs, 32-3,072 A100s)")
     args = ap.parse_args(argv)
+    if args.megatron_table1:
+        import tempfile
+        return published_with_profiles(write_megatron_table1(Path(tempfile.mkdtemp()) / "megatron_table1.csv"))
     if args.published:
         return published_with_profiles(Path(args.published))
     paths = [Path(p) for p in (args.csv or [DEFAULT_CSV, TORCHTITAN_CSV])]
