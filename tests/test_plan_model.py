@@ -74,12 +74,17 @@ def test_model_state_bytes_by_zero_stage():
     w = workload_from_config(cfg_for("llama3-8b"))
     n = 1e9
     got = {z: model_state_bytes(w, Layout(dp=8, zero=z), n, 0.0) for z in range(4)}
-    # fivefold bf16: fp32 weights 4, fp32 grads 4, Adam 8; ZeRO-1/2 add a 4-byte fp32 master chunk
-    assert got[0] == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
-    # ZeRO-1 also holds its reduced fp32 gradient chunk beside the whole gradients
-    assert got[1] == {"params": 4 * n, "grads": 4 * n + 4 * n / 8, "optimizer": 12 * n / 8}
-    assert got[2] == {"params": 4 * n, "grads": 4 * n / 8, "optimizer": 12 * n / 8}
+    # fivefold bf16 (docs/precision.md): bf16 weights 2, fp32 gradient buffer 4, fp32 master 4 +
+    # Adam 8 with the optimizer; ZeRO-3's shards are the fp32 masters.
+    assert got[0] == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n}
+    # ZeRO-1: Megatron's distributed optimizer, the chunk's gradient a view of the buffer
+    assert got[1] == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n / 8}
+    assert got[2] == {"params": 2 * n, "grads": 4 * n / 8, "optimizer": 12 * n / 8}
     assert got[3] == {"params": 4 * n / 8, "grads": 4 * n / 8, "optimizer": 8 * n / 8}
+    fp32 = dataclasses.replace(w, precision=PRECISIONS["fp32"])
+    # fp32: ZeRO-1/2 add a 4-byte master chunk, ZeRO-1 its reduced gradient chunk beside the whole gradients
+    assert model_state_bytes(fp32, Layout(dp=8, zero=1), n, 0.0) == {"params": 4 * n, "grads": 4 * n + 4 * n / 8,
+                                                                     "optimizer": 12 * n / 8}
     hsdp = model_state_bytes(w, Layout(dp=8, zero=3, dp_shard=4), n, 0.0)
     assert hsdp["params"] == 4 * n / 4
 
@@ -149,8 +154,8 @@ def test_last_rank_holds_the_logits():
     assert m_last.activations == pytest.approx(16 * per_layer + logits + final_norm)
 
 
-def test_fivefold_recipe_last_rank_keeps_fp32_log_softmax_and_its_gradient_is_transient():
-    w = workload_from_config(cfg_for("llama3-8b", "--train.seq_len", "4096"))  # bf16 autocast
+def test_fivefold_recipe_last_rank_keeps_bf16_logits_and_no_fp32_copy():
+    w = workload_from_config(cfg_for("llama3-8b", "--train.seq_len", "4096"))  # bf16 weights
     layout = Layout(pp=2, mbs=1, pp_layers="16,16")
     first, last = pipeline_ranks(w.stats, layout, 4096)
     m_first = rank_memory(w, layout, H100, DEFAULT_RUNTIME, first, 0)
@@ -161,14 +166,15 @@ def test_fivefold_recipe_last_rank_keeps_fp32_log_softmax_and_its_gradient_is_tr
     layer = 2 * (2 * h * 4 + 4 + h * 2) + (2 * h + 2 * kv) * 2 + 32 * 4 + 4 * f * 2
     assert fivefold_layer_bytes(w.stats, 0, layout, 4096, "none", w.precision, True) == layer
     rope = 2 * 4 * 4096 * 128  # per micro-batch: fp32 cos and sin, seq x head_dim
-    # + the stage outputs 1f1b still holds for sending (three fp32 outputs, parallel/pipeline/stages.py)
-    assert m_first.activations == pytest.approx(2 * (16 * layer * 4096 + rope) + 3 * 4096 * 4096 * 4)
+    # + the stage outputs 1f1b still holds for sending (three bf16 outputs, parallel/pipeline/stages.py)
+    assert m_first.activations == pytest.approx(2 * (16 * layer * 4096 + rope) + 3 * 4096 * 4096 * 2)
     final_norm = (2 * h * 4 + 4 + h * 2) * 4096
-    labels = 8 * 4096  # int64
-    assert m_last.activations == pytest.approx(16 * layer * 4096 + rope + final_norm
-                                               + 4096 * 128256 * 4 + labels
+    # The chunked loss keeps the bf16 logits, an fp32 log-sum-exp and the int64 label per token
+    # (models/cross_entropy.py) and writes their gradient in place: no per-token working memory.
+    loss = 4096 * (128256 * 2 + 4 + 8)
+    assert m_last.activations == pytest.approx(16 * layer * 4096 + rope + final_norm + loss
                                                + 4096 * 128256 * 2)  # the newest bf16 logits
-    assert m_last.other - m_first.other == pytest.approx(4096 * 128256 * (4 + 2), rel=0.05)
+    assert m_last.other - m_first.other == pytest.approx(0, abs=0.05 * 4096 * 128256)
 
 
 # ---------------------------------------------------------------------------------- schedules
