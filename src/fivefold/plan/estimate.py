@@ -312,7 +312,10 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     parts = {k: m * v for k, v in worst.items()}
     parts.update({"bubble": slots * t_mb, "dp": dp_visible, "optimizer": optim_time})
     parts["tp"] += latent_t
-    comm_bytes = {"dp": dp_bytes, "tp": m * per_mb_bytes["tp"] + latent_b, "pp": m * per_mb_bytes["pp"],
+    # The vocabulary-parallel loss (models/cross_entropy.py): per token one fp32 max and one sum of
+    # two fp32 values (exponentials, target logit), all-reduced over tp on the output's ranks.
+    loss_b = 2 * (layout.tp - 1) / layout.tp * 12 * layout.mbs * workload.seq_len / layout.cp * m
+    comm_bytes = {"dp": dp_bytes, "tp": m * per_mb_bytes["tp"] + latent_b + loss_b, "pp": m * per_mb_bytes["pp"],
                   "cp": m * per_mb_bytes["cp"], "ep": m * per_mb_bytes["ep"]}
     memory = memory or worst_rank_memory(workload, layout, hw, runtime)
     return Estimate(layout=layout, memory=memory, memory_limit=hw.memory_bytes, step_time_s=step,
