@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.models.attention_blocks import (Block, add_sinks, merge_rows, part_backward, part_forward, sink_grad,
-                                              use_cpu_flash_kernel, visible_parts)
+from fivefold.models.attention_blocks import merge_rows, use_cpu_flash_kernel
+from fivefold.models.attention_windows import Block, add_sinks, part_backward, part_forward, sink_grad, visible_parts
 
 # Positions per block: large enough that a block's kernel call outweighs Python's loop, small
 # enough that a block's transient scores (CHUNK² per head) stay in cache and far below seq².
