@@ -28,6 +28,8 @@ from fivefold.models.attention_layout import attention_window
 from fivefold.models.documents import document_attention
 from fivefold.models.init import Fill, constant, seeded_normal
 from fivefold.models.masked_attention import masked_attention
+from fivefold.models.rms_norm import RMSNorm
+from fivefold.models.swiglu import swiglu
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -108,8 +110,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
         self.sinks = HeadValues(cfg.n_heads) if cfg.attention_sinks else None
         self.core = CausalAttention(window)
 
@@ -137,7 +139,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
 def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -153,10 +155,10 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, feed_forward: nn.Module | None = None, qk_norm: bool = False,
                  attention: nn.Module | None = None):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         # Any module (x, cos, sin) -> x whose math runs in a parameter-free `core` (q, k, v) -> out.
         self.attention = attention if attention is not None else Attention(cfg, qk_norm)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(cfg.dim, cfg.ffn_dim)
 
     # The block's residual branches, by method name: selective recomputation checkpoints each one
@@ -194,7 +196,7 @@ class Transformer(nn.Module):
                                      attention(cfg) if attention is not None
                                      else Attention(cfg, qk_norm, attention_window(cfg, i)))
             for i in range(cfg.n_layers)})
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

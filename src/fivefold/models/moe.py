@@ -42,6 +42,7 @@ from fivefold.config import ModelConfig, MoEConfig
 from fivefold.models.decoder import FeedForward
 from fivefold.models.moe_capacity import _chained, _nested, capacity_keep  # noqa: F401 - re-exported
 from fivefold.models.moe_layout import is_moe_layer
+from fivefold.models.swiglu import swiglu
 from fivefold.torch_internals import current_graph_task_id, grouped_mm, has_grouped_mm
 
 
@@ -120,10 +121,6 @@ class Experts(nn.Module):
         tensor, parallel/tensor/apply.py)."""
         biases = tuple(local(getattr(self, b)) for b in ("b1", "b2", "b3")) if hasattr(self, "b1") else None
         return grouped_swiglu(x, local(self.w1), local(self.w2), local(self.w3), counts, biases, self.activation)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

@@ -36,6 +36,7 @@ from fivefold.config import ModelConfig
 from fivefold.models.cross_entropy import chunked_cross_entropy
 from fivefold.models.decoder import TransformerBlock, in_compute_dtype
 from fivefold.models.moe import counts_for_stats
+from fivefold.models.rms_norm import RMSNorm
 
 IGNORE = -100  # F.cross_entropy's ignore_index: a position with no target at this depth
 
@@ -54,10 +55,10 @@ class MTPLayer(TransformerBlock):
 
     def __init__(self, cfg: ModelConfig, feed_forward: nn.Module | None, attention: nn.Module | None):
         super().__init__(cfg, feed_forward, attention=attention)
-        self.enorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.hnorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.enorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.head_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)  # before the shared output layer
+        self.head_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)  # before the shared output layer
         self.aux_grad_scale = 1.0  # set by the training loop: 1/micro-batches per step
         self._losses: list[torch.Tensor] = []
 

@@ -10,27 +10,26 @@ mixtral, qwen3, qwen3_moe). Per token of one micro-batch, a layer keeps, with S 
 bytes (the weights' dtype: bf16 under train.dtype = bf16), A the compute bytes, s the sequence split (tp
 under sequence parallelism), t the tp degree, h the model width and q = heads x head_dim the width of
 the queries and of the attention output (h unless head_dim is explicit, as in Qwen3):
-  each RMSNorm: the fp32 upcast of its input and the normalised x·rstd, 2h/s x 4, and rstd (fp32, 1/s)
+  each RMSNorm (models/rms_norm.py): its input, h/s x S, and rstd (fp32, 1/s)
   the norm output, cast once to A (models/decoder.py) and saved by the matmuls that read it: h x A,
       full sequence (gathered) under sequence parallelism
   attention: q and k after RoPE, v, the output (q + kv + kv + q)/t x A, logsumexp (fp32 per head);
       under context parallelism also the output's contiguous copy that the output projection
       reads, q/t x A (ring and Ulysses attention return it head-major)
-  per-head q/k RMSNorm (Qwen3): its input and x·rstd, both fp32 (a bf16 input is upcast first and
-      the copy kept), and rstd per head: (2(q + kv) x 4 + 4 (heads + kv heads))/t
+  per-head q/k RMSNorm (Qwen3): its input and rstd per head: ((q + kv) x A + 4 (heads + kv heads))/t
   latent attention (MLA, deepseek_v3; measured on tiny-deepseek-v3): q and k are heads x (nope +
       rope) wide, v and the output heads x v_head_dim; the latent norms (q_lora_rank, kv_lora_rank)
-      run whole on every tp rank on the gathered sequence and keep, like the q/k norms, their fp32
-      input and x·rstd, rstd and their output in A; 'selective' keeps the latent down-projections'
+      run whole on every tp rank on the gathered sequence and keep, like the q/k norms, their
+      input, rstd and their output in A (the kv norm's input a view of kv_a's output, k_pe with it); 'selective' keeps the latent down-projections'
       outputs (kv's with the shared RoPE key) and q_b's and kv_b's instead of q, k, v. Where the
       device has no fused kernel for the shape (CPU: v_head_dim != q/k's), SDPA's math path keeps
       fp32 copies of q, k, v and the fp32 softmax (heads x every key), and ring attention's plain
       path, under 'selective', its fp32 score tiles
-  MLP: gate and up outputs, silu(gate), silu(gate)·up: 4f/t x A
+  MLP: gate and up outputs (models/swiglu.py recomputes silu(gate)), silu(gate)·up: 3f/t x A
   MoE instead (weights replicated over tp, tokens split: each tp rank routes 1/t of them, so
       every term below is /t; the ffn norm's output is then read locally, h/t, not gathered):
       the k dispatched copies of each token, their expert output and
-      its weighted copy 3kh, each copy's SwiGLU 4kf (x A), shared experts' SwiGLU, the routing
+      its weighted copy 3kh, each copy's SwiGLU 3kf (x A), shared experts' SwiGLU, the routing
       bookkeeping (fp32 scores, int64 top-k and sort indices: 4E + 41k bytes)
 'selective' keeps the block input and the outputs of the matmuls and attention (q, k, v and the
 attention output, and the row-parallel outputs whole, h x A, before their reduce-scatter; ring
@@ -65,9 +64,6 @@ from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
 from fivefold.plan.schedule import PipelineRank, in_flight_per_chunk, outputs_held
 from fivefold.plan.workload import Workload
-
-
-NORM_BYTES = 4  # what an RMSNorm keeps per element of its input and of x·rstd: fp32, in every precision
 
 
 def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq_len: int,
@@ -123,13 +119,13 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
         f = stats.expert_hidden
         k, n_experts = stats.top_k, stats.n_experts
         n_shared = stats.shared_expert_params / stats.expert_params
-        mlp = ((3 * k * h + 4 * k * f + n_shared * 4 * f) * A
+        mlp = ((3 * k * h + 3 * k * f + n_shared * 3 * f) * A
                + 4 * n_experts + 41 * k + 4) / t  # routing bookkeeping: scores, top-k, sort (int64)
         # The router reads the ffn norm's output locally (h/t), not gathered whole as `norms` counts.
         mlp -= gathered - h / t * A
         mlp_selective = (k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A / t
     else:
-        mlp = 4 * stats.ffn_dim / t * A
+        mlp = 3 * stats.ffn_dim / t * A  # gate, up (models/swiglu.py) and their product
         mlp_selective = (2 * stats.ffn_dim / t + h) * A  # gate and up outputs, the down projection's whole output
     attention = fivefold_attention_bytes(stats, layout, seq_len, recompute, A, fused_attention)
     if recompute == "selective":
@@ -145,9 +141,8 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
         if not stats.is_moe(layer):
             mlp_selective += (stats.ffn_dim / t - h) * A
         return 2 * h / s * S + attention + copy + mlp_selective
-    # nn.RMSNorm computes in fp32 inside: it keeps the fp32 upcast of its input and x·rstd whatever
-    # the stream's dtype (NORM_BYTES), and rstd.
-    norms = 2 * (2 * h / s * NORM_BYTES + 4 / s + gathered)  # + each output in A, as the matmuls read it
+    # models/rms_norm.py keeps its input in the stream's dtype and an fp32 rstd per row.
+    norms = 2 * (h / s * S + 4 / s + gathered)  # + each output in A, as the matmuls read it
     return norms + attention + mlp
 
 
@@ -181,12 +176,11 @@ def fivefold_attention_bytes(stats: ModelStats, layout: Layout, seq_len: int, re
         attention = 4 * (q + k + v) + scores
     else:
         attention = (q + k + v) * A + kernel_out
-    if stats.qk_norm:  # the per-head norms' fp32 input and x·rstd, rstd per head
-        attention += 2 * (q + k) * 4 + 4 * (stats.n_heads + stats.n_kv_heads) / t
-    if stats.kv_lora_rank:  # each latent norm: fp32 input and x·rstd, rstd, the output in A
-        attention += (8 + A) * latent + 4 * (2 if stats.q_lora_rank else 1)
-        if A == 4:  # no upcast copy: the kv norm's input is a view of kv_a's output, k_pe's too
-            attention += 4 * stats.rope_dim
+    if stats.qk_norm:  # the per-head norms' input (the projections' output, A) and rstd per head
+        attention += (q + k) * A + 4 * (stats.n_heads + stats.n_kv_heads) / t
+    if stats.kv_lora_rank:  # each latent norm: its input, rstd, the output in A; the kv norm's
+        # input is a view of kv_a's output, which holds k_pe too
+        attention += 2 * A * latent + 4 * (2 if stats.q_lora_rank else 1) + A * stats.rope_dim
     if cp > 1 or math:  # the output projection reads a contiguous copy of the head-major output
         attention += o * A
     return attention
@@ -216,13 +210,13 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
     s = layout.tp if (layout.tp > 1 and layout.sp) else 1
     vocab = stats.vocab_size / layout.tp
     if runtime.activation_recipe == "fivefold":
-        # norm input and x·rstd, rstd, the output layer's input (gathered under sp: its shard
+        # norm input and rstd, the output layer's input (gathered under sp: its shard
         # where parallel/tensor/sharded_inputs.py applies); the chunked loss (models/cross_entropy.py)
         # keeps the vocab-parallel logits in their compute dtype, an fp32 log-sum-exp and the int64
         # label per token, and writes their gradient into the logits' own storage (one chunk's fp32
         # temporaries at a time: no per-token working memory).
         sharded = s > 1 and layout.recompute == "none" and not keeps_gathered(workload, runtime)
-        norm = 2 * stats.dim / s * NORM_BYTES + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
+        norm = stats.dim / s * pr.param_bytes + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
         return norm, pr.act_bytes * vocab + 4 + 8, 0.0
     return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0
 
@@ -230,15 +224,14 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
 def mtp_block_bytes(workload: Workload, layout: Layout, head_norm: float) -> float:
     """Per token, what one multi-token-prediction block keeps beyond a layer of its kind (counted
     with the layers) and its logits (counted with the output's). Without recomputation: its input
-    norms (the embedding's input and x·rstd, the stream's x·rstd: the stream itself is the final
-    norm's input), eh_proj's input (both halves) and the head norm as the final norm keeps it
+    norms (the embedding, and rstd of each; the stream itself is the final norm's input), eh_proj's input (both halves) and the head norm as the final norm keeps it
     (`head_norm`). Recomputed, the block's checkpoint keeps the embedding, which the layer's own
     count (its input) stands for, its other input being the final norm's; and the output layer
     keeps its input."""
     stats, pr = workload.stats, workload.precision
     s = layout.tp if (layout.tp > 1 and layout.sp) else 1
     if layout.recompute == "none":
-        return (3 * stats.dim * NORM_BYTES + 2 * stats.dim * pr.act_bytes + 8) / s + head_norm
+        return (stats.dim * pr.param_bytes + 2 * stats.dim * pr.act_bytes + 8) / s + head_norm
     return stats.dim * pr.act_bytes
 
 

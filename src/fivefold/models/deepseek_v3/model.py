@@ -31,6 +31,7 @@ from fivefold.models.deepseek_v3.rope import (
 )
 from fivefold.models.init import Fill, seeded_normal
 from fivefold.models.mtp import AttachScaledLoss, MTPLayer, depth_loss
+from fivefold.models.rms_norm import RMSNorm
 
 # transformers' DeepseekV3Attention builds its latent norms with RMSNorm's default eps, whatever
 # rms_norm_eps says (so do DeepSeek's own modeling files).
@@ -46,14 +47,14 @@ class LatentAttention(nn.Module):
         if cfg.q_lora_rank:
             self.q_proj = None
             self.q_a_proj = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, qk_width, bias=False)
         else:
             self.q_proj = nn.Linear(cfg.dim, qk_width, bias=False)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         # One projection makes the kv latent and the shared RoPE key (rows: latent, then k_pe).
         self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, self.kv_rank + self.rope, bias=False)
-        self.kv_a_layernorm = nn.RMSNorm(self.kv_rank, eps=LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
         # The core divides by sqrt(q.shape[-1]); YaRN's mscale² (if any) goes into q beforehand.

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from fivefold.models.rms_norm import rms_norm
 from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 from fivefold.parallel.tensor.sharded_inputs import mark, saving_shards
 from fivefold.parallel.stream_projection import project
@@ -259,13 +260,13 @@ class PartialRMSNorm(nn.Module):
     replicated; its gradient from a share of the rows is a partial sum (summed over tp where the
     gradient is settled)."""
 
-    def __init__(self, norm: nn.RMSNorm, group: TensorParallelGroup):
+    def __init__(self, norm: nn.Module, group: TensorParallelGroup):
         super().__init__()
         self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
         self.weight = _laid_out(norm, group, Replicate())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, _local(self.weight, grad_placements=[Partial()]), self.eps)
+        return rms_norm(x, _local(self.weight, grad_placements=[Partial()]), self.eps)
 
 
 class HeadSplitValues(nn.Module):
