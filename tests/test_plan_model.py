@@ -161,14 +161,14 @@ def test_fivefold_recipe_last_rank_keeps_bf16_logits_and_no_fp32_copy():
     m_first = rank_memory(w, layout, H100, DEFAULT_RUNTIME, first, 0)
     m_last = rank_memory(w, layout, H100, DEFAULT_RUNTIME, last, 1)
     h, kv, f = 4096, 1024, 14336
-    # Per token: two norms (fp32 input and x·rstd, rstd, bf16 output), attention (q, k, v, output;
-    # fp32 logsumexp), MLP.
-    layer = 2 * (2 * h * 4 + 4 + h * 2) + (2 * h + 2 * kv) * 2 + 32 * 4 + 4 * f * 2
+    # Per token: two norms (bf16 input, fp32 rstd, bf16 output), attention (q, k, v, output;
+    # fp32 logsumexp), SwiGLU (gate, up and their product).
+    layer = 2 * (h * 2 + 4 + h * 2) + (2 * h + 2 * kv) * 2 + 32 * 4 + 3 * f * 2
     assert fivefold_layer_bytes(w.stats, 0, layout, 4096, "none", w.precision, True) == layer
     rope = 2 * 4 * 4096 * 128  # per micro-batch: fp32 cos and sin, seq x head_dim
     # + the stage outputs 1f1b still holds for sending (three bf16 outputs, parallel/pipeline/stages.py)
     assert m_first.activations == pytest.approx(2 * (16 * layer * 4096 + rope) + 3 * 4096 * 4096 * 2)
-    final_norm = (2 * h * 4 + 4 + h * 2) * 4096
+    final_norm = (h * 2 + 4 + h * 2) * 4096
     # The chunked loss keeps the bf16 logits, an fp32 log-sum-exp and the int64 label per token
     # (models/cross_entropy.py) and writes their gradient in place: no per-token working memory.
     loss = 4096 * (128256 * 2 + 4 + 8)

@@ -68,6 +68,38 @@ def parse_pp_layers(text: str, n_chunks: int, n_layers: int) -> tuple[int, ...]:
     return sizes
 
 
+# Layers taken off the pipeline's first and last chunk, in the order the search tries them.
+END_RELIEFS = ((1, 0), (1, 1), (2, 1), (2, 2), (3, 2), (3, 3))
+
+
+def balanced_sizes(stats: ModelStats, n_chunks: int, seq_len: int) -> tuple[int, ...]:
+    """The trainer's own split when parallel.pp_layers is empty: layers balanced by FLOPs, the
+    output layer counted with the last chunk (plan/stage_split.py)."""
+    costs = [stats.layer_flops_per_token(i, seq_len) for i in range(stats.n_layers)]
+    return tuple(balanced_layer_counts(costs, stats.head_flops_per_token(seq_len), n_chunks))
+
+
+def end_relieved_splits(stats: ModelStats, layout: Layout, seq_len: int):
+    """(pp_layers text, layers off the first chunk, off the last) for splits that give the ends of
+    the pipeline fewer layers than the FLOP-balanced one (Llama 3 trained with one layer fewer on
+    each): the first chunk keeps the most micro-batches in flight and the embedding, the last the
+    output layer and the loss. Their layers go to the middle chunks, nearest the middle first."""
+    n_chunks = layout.pp * chunks_per_rank(layout)
+    if n_chunks < 3:
+        return
+    base = balanced_sizes(stats, n_chunks, seq_len)
+    middle = sorted(range(1, n_chunks - 1), key=lambda c: abs(c - (n_chunks - 1) / 2))
+    for first, last in END_RELIEFS:
+        if base[0] - first < 1 or base[-1] - last < 1:
+            return
+        sizes = list(base)
+        sizes[0] -= first
+        sizes[-1] -= last
+        for i in range(first + last):
+            sizes[middle[i % len(middle)]] += 1
+        yield ",".join(map(str, sizes)), first, last
+
+
 def pipeline_ranks(stats: ModelStats, layout: Layout, seq_len: int) -> list[PipelineRank]:
     """Layers of each pipeline rank: layout.pp_layers when given, else balanced by FLOPs (what
     fivefold does when parallel.pp_layers is empty)."""
@@ -85,10 +117,8 @@ def _pipeline_ranks(stats: ModelStats, p: int, v: int, v_shaped: bool, pp_layers
     n_chunks = p * v
     if pp_layers:
         sizes = parse_pp_layers(pp_layers, n_chunks, stats.n_layers)
-    else:
-        costs = tuple(stats.layer_flops_per_token(i, seq_len) for i in range(stats.n_layers))
-        # The trainer's own split (same costs, same algorithm): predictions hold what runs.
-        sizes = tuple(balanced_layer_counts(list(costs), stats.head_flops_per_token(seq_len), n_chunks))
+    else:  # the trainer's own split (same costs, same algorithm): predictions hold what runs
+        sizes = balanced_sizes(stats, n_chunks, seq_len)
     bounds, start = [], 0
     for size in sizes:
         bounds.append(tuple(range(start, start + size)))

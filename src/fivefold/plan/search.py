@@ -19,7 +19,7 @@ from fivefold.plan.estimate import Estimate, estimate
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout, config_with_layout
 from fivefold.plan.memory import worst_rank_memory
-from fivefold.plan.schedule import chunks_per_rank, parse_pp_layers
+from fivefold.plan.schedule import END_RELIEFS, chunks_per_rank, end_relieved_splits, parse_pp_layers
 from fivefold.plan.workload import Workload
 from fivefold.config.validate import ignored_options, validate
 
@@ -40,6 +40,8 @@ class SearchResult:
     rejected: list[Rejected] = field(default_factory=list)  # the first few, with reasons
     evaluated: int = 0
     n_rejected: int = 0
+    # Layouts that fit only with the pipeline's ends given fewer layers: layout -> why (end_relieved)
+    split_notes: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------ checking
@@ -215,15 +217,44 @@ def search(cfg: Config, workload: Workload, hw: Hardware, runtime: Runtime, gpus
                 mem = worst_rank_memory(workload, layout, hw, runtime)
                 result.evaluated += 1
                 if mem.total > hw.memory_bytes:
-                    _reject(result, layout, memory_reason(mem, hw.memory_bytes), keep_rejected)
-                    continue
+                    relieved = end_relieved(workload, layout, hw, runtime, mem)
+                    if relieved is None:
+                        _reject(result, layout, memory_reason(mem, hw.memory_bytes), keep_rejected)
+                        continue
+                    layout, mem, note = relieved
+                    result.split_notes[layout] = note
                 result.ranked.append(estimate(workload, layout, hw, runtime, mem))
                 settled.add(layout.zero)
             if len(settled) == len(by_zero):
                 break
     rank(result.ranked)
     explain(result.ranked)
+    for est in result.ranked:
+        if est.layout in result.split_notes:
+            est.why += f"; {result.split_notes[est.layout]}"
     return result
+
+
+def end_relieved(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime, balanced):
+    """A layout that does not fit with the FLOP-balanced stage split, with the first split that
+    gives the pipeline's ends fewer layers and fits (plan/schedule.py end_relieved_splits): (layout,
+    its memory, why), or None."""
+    if layout.pp == 1 or layout.pp_layers or balanced.pipeline_rank not in (0, layout.pp - 1):
+        return None
+    # Cheap bound first (the search meets thousands of layouts): a rank's per-layer bytes (all but
+    # 'other') fall at most in proportion to the layers it gives up.
+    most = max(first for first, _ in END_RELIEFS) / max(1, balanced.detail.get("layers", 1))
+    if balanced.total - most * (balanced.total - balanced.other) > hw.memory_bytes:
+        return None
+    for text, first, last in end_relieved_splits(workload.stats, layout, workload.seq_len):
+        relieved = dataclasses.replace(layout, pp_layers=text)
+        mem = worst_rank_memory(workload, relieved, hw, runtime)
+        if mem.total <= hw.memory_bytes:
+            ends = " and ".join(f"the {end} stage {n} layer{'s' if n > 1 else ''} fewer"
+                                for end, n in (("first", first), ("last", last)) if n)
+            return relieved, mem, (f"stages {text} ({ends} than the FLOP-balanced split: "
+                                   f"{mem.total / GB:.1f} GB per GPU instead of {balanced.total / GB:.1f})")
+    return None
 
 
 def rank(estimates: list[Estimate]) -> None:
