@@ -67,8 +67,8 @@ class Hardware:
     def fuses_attention(self, stats) -> bool:
         """Whether this model's attention runs in a fused kernel on this device."""
         distinct_v = stats.v_head_dim not in (0, stats.head_dim)
-        if stats.attention_sinks:  # fivefold's sink attention is plain PyTorch (models/masked_attention.py)
-            return False
+        # Windows and sinks run blockwise through the same kernels (models/masked_attention.py),
+        # keeping q, k, v, the output and a log-sum-exp: fused, as far as memory goes.
         return self.fused_attention and (self.fused_attention_distinct_v or not distinct_v)
 
 

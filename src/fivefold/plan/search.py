@@ -132,8 +132,6 @@ def degree_choices(cfg: Config, workload: Workload, gpus: int, gpus_per_node: in
         if gpus % tp:
             continue
         cps = [c for c in _powers_of_two_dividing(gpus // tp, 16) if c == 1 or workload.seq_len // c >= 4096]
-        if stats.sliding_window or stats.attention_sinks:  # not under cp yet (config/validate_attention.py)
-            cps = [1]
         for cp in field_options("cp", fixed, cps):
             if (gpus // tp) % cp:
                 continue
