@@ -30,6 +30,9 @@ LAYOUTS = {
     "pp2 1f1b": _bf16({"pp": 2, "pp_schedule": "1f1b"}, micro_batch=1),
     "pp2 zbv": {**_bf16({"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2}, micro_batch=1),
                 "model": {"n_layers": 4}},
+    "cp2": _bf16({"cp": 2}, micro_batch=2),
+    "moe dp2 ep2 zero1": {**_bf16({"dp": 2, "ep": 2, "zero": 1}, micro_batch=2),
+                          "model": {"moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}}},
 
 }
 FP32_ZERO3 = {"parallel": {"dp": 2, "zero": 3}, "train": {"micro_batch": 1}}
