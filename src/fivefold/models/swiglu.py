@@ -3,14 +3,19 @@
 Composed of `F.silu` and a product, autograd keeps gate (for silu's backward), silu(gate) and up
 (for the product's): three tensors of the hidden width. silu(gate) is cheap to recompute from gate,
 so this keeps two (Megatron's fused SwiGLU keeps the same). The forward is the same two operations;
-backward recomputes sigmoid(gate) and forms, in fp32,
-    d up = dy · silu(gate),   d gate = dy · up · sigmoid(gate) · (1 + gate · (1 − sigmoid(gate))).
+backward recomputes silu(gate) and runs the kernels autograd runs for the composite:
+    d up = dy · silu(gate),   d gate = silu'(gate) · (dy · up),
+so the gradients are the composite's bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from fivefold.torch_internals import aten_op
+
+_silu_backward = aten_op("silu_backward").default
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -22,11 +27,8 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         gate, up = ctx.saved_tensors
-        gate32, dy32 = gate.float(), dy.float()
-        sigmoid = torch.sigmoid(gate32)
-        d_up = dy32 * (gate32 * sigmoid)
-        d_gate = dy32 * up.float() * sigmoid * (1 + gate32 * (1 - sigmoid))
-        return d_gate.to(gate.dtype), d_up.to(up.dtype)
+        # autograd's own kernels on the composite's saved tensors, silu(gate) recomputed
+        return _silu_backward(dy * up, gate), dy * F.silu(gate)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,7 @@ ATEN_OPS = {
     "_scaled_dot_product_flash_attention": ("selective recomputation keeps (SDPA's CUDA kernel)", _RECOMPUTE),
     "_grouped_mm": ("selective recomputation keeps (the experts' matmuls)", _RECOMPUTE),
     "_to_copy": ("the activation probe recognises a weight's cast by", "src/fivefold/train/activation_probe.py"),
+    "silu_backward": ("SwiGLU's backward runs autograd's own kernel", "src/fivefold/models/swiglu.py"),
 }
 
 
