@@ -288,7 +288,8 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     local = (dense / layout.shard_degree + experts / expert_shard_degree(layout)
              if layout.zero >= 1 else dense + experts)
     # Adam reads and writes master weights and both moments, reads the gradient, writes weights.
-    optim_bytes = 2 * pr.optim_bytes + pr.grad_bytes + pr.accum_bytes + pr.param_bytes
+    optim_bytes = (2 * (pr.optim_bytes + pr.master_bytes) + pr.grad_bytes + pr.accum_bytes
+                   + pr.param_bytes)
     optim_time = local * optim_bytes / hw.hbm_bw + runtime.step_overhead_s
 
     # MLA's latent projections and norms run whole on every tp rank and their gradients are partial
