@@ -66,7 +66,7 @@ def rank_main(cp, seq, method, cap_bytes, steps) -> dict:
     from fivefold.config import load_config
     from fivefold.models import build_model
     from fivefold.parallel.context.apply import ContextParallelAttention, SequenceSplit
-    from fivefold.parallel.parallelized import lm_loss
+    from fivefold.parallel.loss import lm_loss
 
     rank = int(os.environ["RANK"])  # set by spawn.py
     try:

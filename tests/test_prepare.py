@@ -152,6 +152,12 @@ BAD_INPUTS = {
     "malformed json": ("bad.jsonl", b'{"text": "fine"}\n{"text": "cut\n', "{p}:2 is not valid JSON (Unterminated string "
                        "starting at); fix or remove that line"),
     "missing field": ("bad.jsonl", b'{"text": "a"}\n\n{"body": "b"}\n', "{p}:3 has no field 'text'; set --text-field"),
+    "conversations without --chat": ("chat.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n',
+                                     "{p}:1 holds a conversation ('messages'), not plain text; prepare it with "
+                                     "--chat --seq-len N (chat templates and loss masks)"),
+    "prompt and completion without --chat": ("pc.jsonl", b'{"prompt": "q", "completion": "a"}\n',
+                                             "{p}:1 holds a conversation ('prompt'), not plain text; prepare it "
+                                             "with --chat --seq-len N (chat templates and loss masks)"),
     "null field": ("bad.jsonl", b'{"text": "a"}\n{"text": null}\n', "{p}:2 has a null 'text' field; give every "
                    "record text, or set --text-field"),
     "number field": ("bad.jsonl", b'{"text": 7}\n', "{p}:1 field 'text' is int, not text; set --text-field"),

@@ -18,7 +18,7 @@ from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCH
 from fivefold.config.schema import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ParallelConfig, micro_batches  # noqa: F401
 from fivefold.config.validate_data import check_data
 from fivefold.config.validate_attention import check_family_keys
-from fivefold.config.validate_run import check_checkpoint, check_log, check_run_folders, parse_steps  # noqa: F401 - parse_steps: its old home
+from fivefold.config.validate_run import check_checkpoint, check_log, check_run_folders
 
 DIMS = ("pp", "dp", "cp", "tp")
 

@@ -272,7 +272,3 @@ def initial_values(cfg: ModelConfig, seed: int) -> Fill:
         std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
         return seeded_normal(seed, name, shape, std, offsets, sizes)
     return fill
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

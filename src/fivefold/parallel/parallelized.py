@@ -20,7 +20,7 @@ from fivefold.parallel.comm_ledger import CommLedger
 from fivefold.parallel.context.apply import SequenceSplit
 from fivefold.parallel.data.base import DataParallel
 from fivefold.parallel.expert.apply import gather_experts
-from fivefold.parallel.loss import LMLoss, lm_loss, trained_positions  # noqa: F401 - lm_loss: its old home
+from fivefold.parallel.loss import LMLoss, trained_positions
 from fivefold.parallel.pipeline.stages import Pipeline
 from fivefold.parallel.step_hooks import StepHook
 from fivefold.plan.compile_choice import CompileChoice

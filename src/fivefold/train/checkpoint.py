@@ -37,7 +37,7 @@ from fivefold.config import Config, ConfigError, to_toml
 from fivefold.train import checkpoint_manifest, resume_checks, sharded_io
 from fivefold.train.faults import restart_count
 
-FORMAT = 2  # 1: whole tensors in safetensors (session 1); 2: DCP shards
+FORMAT = 2  # 1: whole tensors in safetensors; 2: DCP shards
 LATEST = "latest"
 PREFIX = "step_"
 MARKER = ".fivefold-checkpoint"  # in every folder fivefold writes; nothing without it is deleted

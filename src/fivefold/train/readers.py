@@ -177,6 +177,19 @@ def _line_number(path: str, offset: int) -> int:
     return lines
 
 
+# The fields a conversation comes in (train/prepare_chat.py reads them with --chat).
+CONVERSATION_FIELDS = ("messages", "prompt")
+
+
+def _conversation_key(record: dict) -> str | None:
+    return next((key for key in CONVERSATION_FIELDS if isinstance(record.get(key), (list, str))
+                 and (key != "prompt" or "completion" in record)), None)
+
+
+def _is_conversation(record: dict) -> bool:
+    return _conversation_key(record) is not None
+
+
 def _not_utf8(path: str, offset: int, err: UnicodeDecodeError) -> ConfigError:
     at = offset + err.start
     return ConfigError(f"{path}:{_line_number(path, at)} is not UTF-8 text (byte {at}); convert the file to "
@@ -216,6 +229,9 @@ def jsonl_texts(path: str, start: int, stop: int, field: str, hint: str):
             raise ConfigError(f"{path}:{_line_number(path, offset)} is not a JSON object; each line must be an "
                               f"object with a '{field}' field")
         if field not in record:
+            if _is_conversation(record):
+                raise ConfigError(f"{path}:{_line_number(path, offset)} holds a conversation ('{_conversation_key(record)}'), "
+                                  "not plain text; prepare it with --chat --seq-len N (chat templates and loss masks)")
             raise ConfigError(f"{path}:{_line_number(path, offset)} has no field '{field}'; set {hint}")
         if not isinstance(record[field], str):
             raise _not_text(record[field], f"{path}:{_line_number(path, offset)}", field, hint)
