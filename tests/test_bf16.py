@@ -148,3 +148,24 @@ def test_accumulation_over_micro_batches_tracks_fp32():
         assert abs(a - b) <= 0.10 * b, f"step {step}: bf16 grad norm {a} vs fp32 {b}"
     for step, (a, b) in enumerate(zip(bf16.losses, fp32.losses), 1):
         assert abs(a - b) <= 0.02 * b, f"step {step}: bf16 loss {a} vs fp32 {b}"
+
+
+@pytest.mark.parametrize("label", list(EXPECTED_BYTES))
+def test_planner_predicts_the_bf16_state(runs, label, capsys):
+    """The planner's weights, gradients and optimizer bytes per rank for the same tiny model and
+    layout, within 5% of what training held (bucket padding aside, they are the same formula)."""
+    import json
+
+    from fivefold.plan.cli import run_plan
+    from layouts import BASE
+
+    zero = LAYOUTS[label]["parallel"]["zero"]
+    args = [f"--{section}.{key}={value}" for section in ("model", "train") for key, value in BASE[section].items()
+            if (section, key) != ("train", "dtype")]
+    capsys.readouterr()
+    assert run_plan([*args, "--train.dtype=bf16", "--cluster.gpu", "cpu", "--json",
+                     "--layout", f"dp=2,zero={zero},tp=1,pp=1,cp=1,ep=1,mbs=1"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["candidates"][0]["memory_bytes"]
+    measured = runs[0][label].state_bytes
+    for part in ("params", "grads", "optimizer"):
+        assert abs(predicted[part] - measured[part]) <= 0.05 * measured[part], (label, part, predicted[part], measured[part])
