@@ -5,15 +5,18 @@ The math is PyTorch's and Hugging Face's (`nn.RMSNorm`, `LlamaRMSNorm`): in fp32
     y = (x32 · rstd).to(x.dtype) · weight,   rstd = 1 / sqrt(mean(x32²) + eps),
 forward op for op. Composed of those ops, autograd keeps the fp32 upcast of the input and the fp32
 x32·rstd (8 bytes per element whatever the input's dtype: 4x a bf16 input). Here backward recomputes
-x32·rstd from the saved input and rstd instead, and computes in fp32:
-    dweight = Σ_rows dy · x̂,   g = dy · weight,   dx = rstd · (g − x̂ · mean(g · x̂)),
-with x̂ = x32·rstd (x̂ rounded to x's dtype for dweight, as the forward multiplied it).
-Per element of the input it keeps x's own bytes (2 under bf16), plus 4 bytes per row.
+x32·rstd from the saved input and rstd instead, and runs the composite's own backward operations
+on it (so its gradients are nn.RMSNorm's, bit for bit in fp32):
+    dweight = Σ_rows dy · x̂,   g = dy · weight,   dx = g · rstd − (Σ g · x32) · rstd³ · x32 / n,
+with x̂ = x32·rstd rounded to x's dtype, as the forward multiplied it.
+Per element of the input it keeps x's own bytes (2 under bf16), plus 4 bytes per row. fp32 inputs
+keep the composite (`rms_norm`): their input and x·rstd, 8 bytes per element.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -28,20 +31,31 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        # The composite's backward, operation for operation, with x32·rstd recomputed: the gradients
+        # equal nn.RMSNorm's (reassociation would move tensor-parallel layouts off one process).
         x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
-        dy32 = dy.float()
+        x32 = x.float()
         dweight = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            rows = tuple(range(dy.dim() - weight.dim()))
-            dweight = (dy32 * normed.to(x.dtype).float()).sum(rows).to(weight.dtype)
-        g = dy32 * weight.float() if weight is not None else dy32
-        dx = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        if weight is not None:
+            if ctx.needs_input_grad[1]:
+                normed = (x32 * rstd).to(x.dtype)
+                dweight = (dy * normed).sum(tuple(range(dy.dim() - weight.dim())))
+            dy = dy * weight
+        g = dy.float()
+        d_rstd = (g * x32).sum(-1, keepdim=True)
+        d_mean = d_rstd * -0.5 * rstd.pow(3)  # rsqrt's backward
+        dx = g * rstd + (d_mean.expand_as(x32) / x32.shape[-1]) * (2 * x32)  # the mean's, then the square's
         return dx.to(x.dtype), dweight, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension (`weight` over it, or None); see the module docstring."""
+    """RMSNorm over the last dimension (`weight` over it, or None); see the module docstring.
+    An fp32 input takes PyTorch's composite: there the fp32 copy is the input itself, so the
+    saving is x·rstd alone, and the composite's two gradient paths into the input join the
+    residual stream's one by one, an order a single backward cannot reproduce, which tensor-parallel
+    layouts compared with one process at 1e-5 can see."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return _RMSNorm.apply(x, weight, eps)
 
 

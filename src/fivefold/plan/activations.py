@@ -10,7 +10,8 @@ mixtral, qwen3, qwen3_moe). Per token of one micro-batch, a layer keeps, with S 
 bytes (the weights' dtype: bf16 under train.dtype = bf16), A the compute bytes, s the sequence split (tp
 under sequence parallelism), t the tp degree, h the model width and q = heads x head_dim the width of
 the queries and of the attention output (h unless head_dim is explicit, as in Qwen3):
-  each RMSNorm (models/rms_norm.py): its input, h/s x S, and rstd (fp32, 1/s)
+  each RMSNorm (models/rms_norm.py): its input, h/s x S, and rstd (fp32, 1/s); an fp32 input also
+      x·rstd (PyTorch's composite), h/s x 4
   the norm output, cast once to A (models/decoder.py) and saved by the matmuls that read it: h x A,
       full sequence (gathered) under sequence parallelism
   attention: q and k after RoPE, v, the output (q + kv + kv + q)/t x A, logsumexp (fp32 per head);
@@ -64,6 +65,12 @@ from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
 from fivefold.plan.schedule import PipelineRank, in_flight_per_chunk, outputs_held
 from fivefold.plan.workload import Workload
+
+
+def norm_kept(width: float, input_bytes: int) -> float:
+    """Bytes an RMSNorm (models/rms_norm.py) keeps per row of `width` elements, rstd aside: its input;
+    an fp32 input through PyTorch's composite also keeps the fp32 x·rstd."""
+    return width * (input_bytes + (4 if input_bytes == 4 else 0))
 
 
 def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq_len: int,
@@ -142,7 +149,7 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
             mlp_selective += (stats.ffn_dim / t - h) * A
         return 2 * h / s * S + attention + copy + mlp_selective
     # models/rms_norm.py keeps its input in the stream's dtype and an fp32 rstd per row.
-    norms = 2 * (h / s * S + 4 / s + gathered)  # + each output in A, as the matmuls read it
+    norms = 2 * (norm_kept(h / s, S) + 4 / s + gathered)  # + each output in A, as the matmuls read it
     return norms + attention + mlp
 
 
@@ -177,10 +184,10 @@ def fivefold_attention_bytes(stats: ModelStats, layout: Layout, seq_len: int, re
     else:
         attention = (q + k + v) * A + kernel_out
     if stats.qk_norm:  # the per-head norms' input (the projections' output, A) and rstd per head
-        attention += (q + k) * A + 4 * (stats.n_heads + stats.n_kv_heads) / t
+        attention += norm_kept(q + k, A) + 4 * (stats.n_heads + stats.n_kv_heads) / t
     if stats.kv_lora_rank:  # each latent norm: its input, rstd, the output in A; the kv norm's
         # input is a view of kv_a's output, which holds k_pe too
-        attention += 2 * A * latent + 4 * (2 if stats.q_lora_rank else 1) + A * stats.rope_dim
+        attention += norm_kept(latent, A) + A * latent + 4 * (2 if stats.q_lora_rank else 1) + A * stats.rope_dim
     if cp > 1 or math:  # the output projection reads a contiguous copy of the head-major output
         attention += o * A
     return attention
@@ -216,7 +223,7 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
         # label per token, and writes their gradient into the logits' own storage (one chunk's fp32
         # temporaries at a time: no per-token working memory).
         sharded = s > 1 and layout.recompute == "none" and not keeps_gathered(workload, runtime)
-        norm = stats.dim / s * pr.param_bytes + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
+        norm = norm_kept(stats.dim / s, pr.param_bytes) + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
         return norm, pr.act_bytes * vocab + 4 + 8, 0.0
     return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0
 
@@ -231,7 +238,7 @@ def mtp_block_bytes(workload: Workload, layout: Layout, head_norm: float) -> flo
     stats, pr = workload.stats, workload.precision
     s = layout.tp if (layout.tp > 1 and layout.sp) else 1
     if layout.recompute == "none":
-        return (stats.dim * pr.param_bytes + 2 * stats.dim * pr.act_bytes + 8) / s + head_norm
+        return (norm_kept(stats.dim, pr.param_bytes) + 2 * stats.dim * pr.act_bytes + 8) / s + head_norm
     return stats.dim * pr.act_bytes
 
 
