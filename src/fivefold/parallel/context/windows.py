@@ -1,19 +1,11 @@
 """Sliding windows and attention sinks in context-parallel attention (ours). The block rules below
-live in models/attention_blocks.py (parallelism-free, shared with the single-device attention).
+live in models/attention_windows.py (parallelism-free, shared with the single-device attention).
 
 Windows. Context parallelism computes attention a block at a time: query rows of one chunk of the
-sequence against key columns of another. With a sliding window (query at position i sees keys
-i-window+1 .. i) a block is
-  - outside the window when its nearest pair is `window` or more apart: skipped, never computed
-    (its K/V still travel, so that every rank runs the same ring);
-  - cut into tiles that need no mask when the window and the chunk share a divisor t of 16 or more
-    (`window_tiles`: each query tile sees one tile causally, some whole, and one mirrored, the
-    causal mask reversed, which the causal kernel computes on reversed rows and columns), so the
-    fused kernels run on all of it;
-  - else trimmed to the rows that see some key and the columns some row sees, then masked where
-    the window crosses it (a boolean mask: the plain PyTorch block path);
-  - left whole when every pair is inside the window.
-With document masking the mask path serves every block the window crosses.
+sequence against key columns of another. A block outside the window is skipped, never computed, but
+its K/V still travel, so that every rank runs the same ring; how the window cuts the other blocks
+(tiles the fused kernels run, a trimmed masked block, or the whole block) is
+models/attention_windows.py's rule, shared with the single-device attention.
 The three attention methods describe their blocks as `Block`s with the global positions of their
 first row and column (chunks are contiguous runs of positions), so one rule serves them all.
 
