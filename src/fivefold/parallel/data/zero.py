@@ -57,7 +57,7 @@ class ShardedOptimizerDataParallel(DataParallel):
         """main_grads: bf16 parameters, whose gradients accumulate in the fp32 bucket buffers.
         shard: False keeps whole masters on every rank and all-reduces (bf16 at zero 0 or dp = 1)."""
         super().__init__(parts, dims)
-        self.shard_grads, self.main_grads, self.shard = shard_grads, main_grads, shard
+        self.shard_grads, self.main_grads = shard_grads, main_grads
         if shard:
             self.name = (f"zero {2 if shard_grads else 1}: optimizer state{' and gradients' if shard_grads else ''} "
                          f"sharded over {dims.dp_shard * dims.cp} ranks"
@@ -102,7 +102,8 @@ class ShardedOptimizerDataParallel(DataParallel):
         if main_grads and pipeline is not None and not self.per_stage:
             # Split backward schedules write weight gradients without the accumulation hooks:
             # move each finished micro-batch's bf16 gradients into the fp32 buffers at once.
-            pipeline.on_weight_grads = lambda stage: self._absorb(trainable([parts[stage]]))
+            stage_params = [trainable([part]) for part in parts]
+            pipeline.on_weight_grads = lambda stage: self._absorb(stage_params[stage])
         self._views = None  # main_grads: id(param) -> its view of the buffers, built at first use
         self._step_open = False  # main_grads: the buffers hold this step's sums (zeroed at its first)
         self._segments = None  # built at the first clip: extra_copies may be set after construction
