@@ -32,9 +32,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fivefold.config import Config, ConfigError, to_toml
+from fivefold.config.file_errors import guarded
 from fivefold.train import checkpoint_manifest, resume_checks, sharded_io
+from fivefold.train.save_failures import save_problem, storage_error
 from fivefold.train.faults import restart_count
 
 FORMAT = 2  # 1: whole tensors in safetensors; 2: DCP shards
@@ -101,13 +104,14 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{final.name}"
     if is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):  # an earlier save that was killed half-way
-            _remove_ours(stale)
-        if tmp.exists():
-            raise _foreign(tmp)
-        tmp.mkdir()
-        (tmp / MARKER).write_text("written by fivefold; checkpoint folders without this file are never deleted\n")
+        with guarded(root, "create checkpoint folder in", "or set checkpoint.dir to another folder"):
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-*"):  # an earlier save that was killed half-way
+                _remove_ours(stale)
+            if tmp.exists():
+                raise _foreign(tmp)
+            tmp.mkdir()
+            (tmp / MARKER).write_text("written by fivefold; checkpoint folders without this file are never deleted\n")
     _barrier()  # nobody writes into the temporary folder before it is clean
     boxes = StateBoxes(par)
     tensors = {**boxes.model(), **boxes.optimizer(optimizer),
@@ -154,6 +158,19 @@ def _write_catching(*args) -> None:
 
 def _write(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state: dict, is_main: bool,
            group) -> None:
+    try:
+        _write_files(cfg, root, tmp, final, tensors, state, is_main, group)
+    except (OSError, CheckpointException) as err:  # DCP wraps each rank's error in the latter
+        cause = storage_error(err)
+        if cause is None:
+            raise
+        if is_main:  # DCP fails on every rank at once; rank 0 frees what the half-written save took
+            _remove_ours(tmp)
+        raise save_problem(root, final, cause) from None
+
+
+def _write_files(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state: dict, is_main: bool,
+                 group) -> None:
     # DCP's save returns on rank 0 only after every rank's pieces are written and the metadata is.
     sharded_io.save(tensors, tmp, process_group=group)
     data_files = checkpoint_manifest.gather_files(tmp, group)  # each rank checksums what it wrote

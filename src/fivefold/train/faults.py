@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError
+from fivefold.config.file_errors import os_problem
 from fivefold.parallel.collectives import all_reduce_scalars
 
 STRAGGLER_RATIO = 1.5  # a rank this much slower than the median step time is reported
@@ -78,6 +79,8 @@ def describe(err: BaseException, cfg: Config | None, rank: int) -> Failure:
     where = f"step {progress.step}" if progress.step else "start-up"
     if isinstance(err, ConfigError):
         return Failure(str(err), 2)
+    if isinstance(err, OSError) and err.filename:  # a file no guarded read or write expected to fail
+        return Failure(str(os_problem(err.filename, err, "use")), 2)
     if isinstance(err, torch.OutOfMemoryError):
         first = str(err).splitlines()[0] if str(err) else ""
         return Failure(f"rank {rank} ran out of memory during {where} ({first[:160]}); lower train.micro_batch, "

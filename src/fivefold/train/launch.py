@@ -22,6 +22,7 @@ import time
 import uuid
 
 from fivefold.config import ConfigError, load_config
+from fivefold.config.file_errors import FileProblem
 from fivefold.train.faults import ERROR_DIR
 
 
@@ -71,7 +72,8 @@ def worker(config_path: str | None, overrides: list[str]) -> None:
             _hand_to_launcher(failure, rank)
         elif failure.traceback:
             raise  # a bug in a process of its own: its traceback is the report
-        elif rank == 0 or not isinstance(err, ConfigError):  # a bad input every rank shares: rank 0 says it
+        # A bad input every rank shares: rank 0 says it; a file only this rank failed on: this rank.
+        elif rank == 0 or not isinstance(err, ConfigError) or isinstance(err, FileProblem):
             print(f"error: {failure.sentence}", file=sys.stderr, flush=True)
         raise SystemExit(failure.exit_code) from None
 

@@ -1,0 +1,77 @@
+"""A checkpoint save the storage refuses (a full disk, an I/O error, a denied permission) ends the
+run with one sentence naming the checkpoint, the problem and the fix, and loses nothing: the
+previous checkpoint stays whole, `latest` still names it, and no half-written folder is left for
+`checkpoint.resume = auto` to mistake for a checkpoint (issue 45).
+
+The storage's error is injected where DCP writes a tensor (every rank's file goes through it) or
+where rank 0 writes the manifest, so the test runs as root too, where permissions do not deny."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch.distributed.checkpoint.filesystem as dcp_files
+from layouts import tiny_config
+
+from fivefold.config.file_errors import FileProblem
+from fivefold.train import checkpoint, checkpoint_manifest
+from fivefold.train.trainer import train
+
+ERRORS = {  # errno -> the words of the sentence and its fix
+    errno.ENOSPC: "the disk is full; free space on that disk or set checkpoint.dir to another folder",
+    errno.EIO: "the storage reported an input/output error; check the disk or network file system (dmesg, "
+               "the storage's health), then retry or set checkpoint.dir to another folder",
+    errno.EACCES: "permission denied; give this user access to it or set checkpoint.dir to another folder",
+}
+
+
+def _fail_second_save(monkeypatch, target, name, code):
+    """`target.name` raises OSError `code` while the checkpoint of step 2 is being written."""
+    original = getattr(target, name)
+
+    def failing(*args, **kwargs):
+        if any("step_00000002" in str(a) for a in (*args, *kwargs.values())) or failing.armed:
+            raise OSError(code, "injected")
+        return original(*args, **kwargs)
+
+    failing.armed = False
+    monkeypatch.setattr(target, name, failing)
+    return failing
+
+
+def _assert_nothing_lost(root):
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]  # no .tmp-, no step 2
+    assert (root / "latest").read_text().strip() == "step_00000001"
+    cfg = tiny_config({"checkpoint": {"dir": str(root), "resume": "auto"}})
+    assert checkpoint.resolve(cfg) == root / "step_00000001"
+    assert checkpoint_manifest.problem(root / "step_00000001") is None  # whole, every checksum
+
+
+@pytest.mark.parametrize("code", list(ERRORS), ids=[errno.errorcode[c] for c in ERRORS])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_tensor_write_refused_by_the_storage(tmp_path, monkeypatch, code, async_save):
+    failing = _fail_second_save(monkeypatch, dcp_files, "_write_item", code)
+    original_save = checkpoint.save
+
+    def arm_on_step_two(cfg, step, *args):  # DCP's writer sees only the temporary folder's files
+        checkpoint.wait_for_save()  # an asynchronous step 1 is written unharmed first
+        failing.armed = step == 2
+        return original_save(cfg, step, *args)
+
+    monkeypatch.setattr(checkpoint, "save", arm_on_step_two)
+    with pytest.raises(FileProblem) as err:
+        train(tiny_config({"train": {"steps": 3},
+                           "checkpoint": {"dir": str(tmp_path), "every": 1, "async_save": async_save}}))
+    assert str(err.value) == (f"cannot write checkpoint {tmp_path / 'step_00000002'}: {ERRORS[code]}; "
+                              f"the previous checkpoint {tmp_path / 'step_00000001'} is intact")
+    _assert_nothing_lost(tmp_path)
+
+
+def test_manifest_write_refused_by_the_storage(tmp_path, monkeypatch):
+    _fail_second_save(monkeypatch, checkpoint_manifest, "write", errno.ENOSPC)
+    with pytest.raises(FileProblem) as err:
+        train(tiny_config({"train": {"steps": 3}, "checkpoint": {"dir": str(tmp_path), "every": 1}}))
+    assert str(err.value) == (f"cannot write checkpoint {tmp_path / 'step_00000002'}: {ERRORS[errno.ENOSPC]}; "
+                              f"the previous checkpoint {tmp_path / 'step_00000001'} is intact")
+    _assert_nothing_lost(tmp_path)
