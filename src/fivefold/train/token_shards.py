@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fivefold.config.file_errors import FileProblem, guarded, need_file
 from fivefold.config.manifest import FORMAT, MANIFEST, read_manifest  # noqa: F401 - the folder's manifest
 
 DOCUMENTS = "documents.npy"
@@ -38,13 +39,42 @@ class TokenShards:
         self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
         self._maps: dict[int, np.memmap] = {}
         docs = self.folder / DOCUMENTS
-        self.document_starts = np.load(docs, mmap_mode="r") if self.manifest["documents"] else np.zeros(0, np.int64)
+        self.document_starts = self._document_index(docs) if self.manifest["documents"] else np.zeros(0, np.int64)
         # Chat data (`fivefold prepare --chat`): a uint8 loss mask beside each shard, and the length of
         # the bins its conversations are packed into (0 for plain text).
         self.has_loss_mask = bool(self.manifest.get("loss_mask"))
         self.packed_seq_len = int(self.manifest.get("packed_seq_len", 0))
         self.mask_files = [f.with_name(f.name[:-len(".bin")] + ".mask.bin") for f in self.files]
         self._mask_maps: dict[int, np.memmap] = {}
+        self._check_sizes()
+
+    def _fix(self) -> str:
+        return f"prepare the folder again (`fivefold prepare SRC... --out {self.folder}`) or restore it from a copy"
+
+    def _check_sizes(self) -> None:
+        """Every shard (and loss mask) as long as the manifest says, before the first step: a file cut
+        short by a copy or a full disk would otherwise fail, or read garbage, in the middle of a run.
+        One stat per file; no token is read."""
+        shards = self.manifest["shards"]
+        for files, per_token, kind in ((self.files, self.dtype.itemsize, "token shard"),
+                                       (self.mask_files if self.has_loss_mask else [], 1, "loss mask")):
+            for path, shard in zip(files, shards):
+                need_file(path, kind, f"it is listed in {self.folder / MANIFEST}; {self._fix()}")
+                with guarded(path, "read", self._fix()):
+                    size = path.stat().st_size
+                if size != shard["tokens"] * per_token:
+                    raise FileProblem(f"{kind} {path} is {size} bytes, but {self.folder / MANIFEST} lists "
+                                      f"{shard['tokens']} tokens ({shard['tokens'] * per_token} bytes): it was cut "
+                                      f"short or changed after it was prepared; {self._fix()}")
+
+    def _document_index(self, docs: Path) -> np.ndarray:
+        need_file(docs, "document index", f"it belongs to {self.folder / MANIFEST}; {self._fix()}")
+        with guarded(docs, "read", self._fix(), "document index (.npy)", formats=(ValueError, EOFError)):
+            starts = np.load(docs, mmap_mode="r")
+        if starts.ndim != 1 or len(starts) != self.manifest["documents"]:
+            raise FileProblem(f"document index {docs} holds {len(starts)} entries, but {self.folder / MANIFEST} "
+                              f"lists {self.manifest['documents']} documents; {self._fix()}")
+        return starts
 
     def _shard(self, i: int) -> np.ndarray:
         if i not in self._maps:  # opened on first use: start-up cost independent of the shard count
