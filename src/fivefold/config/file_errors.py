@@ -50,6 +50,13 @@ def os_problem(path, err: OSError, action: str, fix: str = "") -> FileProblem:
     return FileProblem(f"cannot {action} {where}: {what}; {fixes}")
 
 
+def verb(err: OSError, output, writing: str = "write") -> str:
+    """"read" when the OS names a file outside `output` (an input of the job), else `writing`."""
+    name = err.filename if isinstance(err.filename, str) else ""
+    inside = not name or Path(name).resolve().is_relative_to(Path(output).resolve())
+    return writing if inside else "read"
+
+
 def malformed(path, what: str, detail, fix: str) -> FileProblem:
     """A file that exists but is not what it should be: cut short, corrupt or of another format."""
     detail = str(detail).strip().splitlines()[0][:200] if str(detail).strip() else ""
@@ -62,7 +69,7 @@ def guarded(path, action: str, fix: str = "", what: str = "", formats: tuple[typ
     library (`formats`: e.g. json.JSONDecodeError, SafetensorError) becomes `malformed` as `what`."""
     try:
         yield
-    except FileProblem:
+    except ConfigError:  # already one sentence (and a ValueError, which `formats` may name)
         raise
     except OSError as err:
         raise os_problem(path, err, action, fix) from None

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from fivefold.config import ConfigError, ModelConfig
+from fivefold.config.file_errors import guarded
 from fivefold.models import build_meta_model
 from fivefold.models.hf import DEFAULT_SHARD_BYTES, config_from_hf, hf_config_from
 from fivefold.models.hf_adapter import IGNORED_HF
@@ -39,6 +40,7 @@ from fivefold.models.mxfp4 import MXFP4Slice, quantised_pairs
 from fivefold.models.registry import model_spec
 
 INDEX = "model.safetensors.index.json"
+REDO = "download or convert the Hugging Face folder again"  # the fix of a damaged file in one
 PARTS = "parts"  # an entry of write_hf_folder whose Hugging Face tensor is made of several of ours
 _SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors$")
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -66,7 +68,9 @@ def read_config_json(folder: Path) -> dict:
                           "folders (config.json + *.safetensors), and fivefold checkpoints cannot be "
                           "loaded this way yet")
     try:
-        hf_cfg = json.loads((folder / "config.json").read_text())
+        with guarded(folder / "config.json", "read", REDO):
+            text = (folder / "config.json").read_text()
+        hf_cfg = json.loads(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{folder / 'config.json'} is not valid JSON: {err}") from None
     if not isinstance(hf_cfg, dict):
@@ -138,7 +142,8 @@ class HFBoxes:
 
     def _open(self, file: Path):
         if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
+            with guarded(file, "read", REDO, "safetensors file", formats=(SafetensorError,)):
+                self._handles[file] = safe_open(file, framework="pt")
         return self._handles[file]
 
     def _slice(self, hf: str):
@@ -164,7 +169,9 @@ class HFBoxes:
         """Hugging Face tensor name -> the file holding it (the index decides when there is one)."""
         index = self.folder / INDEX
         if index.is_file():
-            return {name: self.folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+            with guarded(index, "read", REDO, f"index ({INDEX} with a weight_map)",
+                         formats=(ValueError, KeyError, TypeError, AttributeError)):
+                return {name: self.folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             other = [p.name for p in self.folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")]

@@ -22,13 +22,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fivefold.config import Config, ConfigError, to_toml
+from fivefold.config.file_errors import need_folder, need_output_folder, os_problem, verb
 from fivefold.models.hf import DEFAULT_SHARD_BYTES, model_from_tensors
 from fivefold.models.hf_stream import HFBoxes, dequantised_note
 from fivefold.train import checkpoint_manifest, sharded_io
 from fivefold.train.checkpoint import FORMAT, read_state, read_tensors
 from fivefold.train.export import checkpoint_folder, checkpoint_to_hf, model_config, run_tokenizer
+from fivefold.train.save_failures import storage_error
 
 BLOCK_BYTES = 256 * 2**20  # the largest box an import writes (and a later reader of a slice loads)
 
@@ -91,12 +94,27 @@ def hf_to_checkpoint(src, dst, block_bytes: int = BLOCK_BYTES, reader: HFBoxes |
     return dst
 
 
+def _checked_paths(src, dst) -> tuple[Path, Path]:
+    """SRC a folder; DST a folder to create, or one this command (or a run) wrote before."""
+    src = need_folder(src, "convert SRC", "give a Hugging Face folder or a fivefold checkpoint folder")
+    ours = (lambda p: (p / "config.json").is_file()) if (src / "state.json").is_file() or (src / "latest").is_file() \
+        else (lambda p: (p / "state.json").is_file())
+    dst = need_output_folder(dst, "convert DST", "give a new folder to write", ours)
+    return src, dst
+
+
 def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
     """Direction from what SRC is; returns a one-line summary."""
-    src = Path(src)
+    src, dst = _checked_paths(src, dst)
     if (src / "config.json").is_file():
         reader = HFBoxes(src)
-        hf_to_checkpoint(src, dst, reader=reader)
+        try:
+            hf_to_checkpoint(src, dst, reader=reader)
+        except (OSError, CheckpointException) as err:  # DCP wraps the storage's error in the latter
+            cause = storage_error(err)
+            if cause is None:
+                raise
+            raise os_problem(dst, cause, verb(cause, dst), "or choose another DST") from None
         note = dequantised_note(reader)
         return f"wrote fivefold checkpoint {dst} (train from it: fivefold train {dst}/config.toml " \
                f"--checkpoint.resume {dst})" + (f"; {note}" if note else "")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from fivefold.config import ConfigError
+from fivefold.config.file_errors import guarded
 
 ROLES = ("system", "user", "assistant", "tool")
 CONFIG = "tokenizer_config.json"
@@ -95,14 +96,19 @@ def load_template(tokenizer: str, template_file: str = "") -> Template:
     config = {}
     if config_path.is_file():
         try:
-            config = json.loads(config_path.read_text())
+            with guarded(config_path, "read", "or remove it"):
+                text = config_path.read_text()
+            config = json.loads(text)
+        except ConfigError:
+            raise
         except ValueError as err:
             raise ConfigError(f"{config_path} is not valid JSON ({err}); fix it or remove it") from None
     if template_file:
         path = Path(template_file)
         if not path.is_file():
             raise ConfigError(f"--chat-template '{template_file}' is not a file; give a Jinja chat template")
-        text, name, where = path.read_text(), path.name, str(path)
+        with guarded(path, "read", "or give another --chat-template"):
+            text, name, where = path.read_text(), path.name, str(path)
     else:
         text, name, where = _config_template(config.get("chat_template"), config_path), CONFIG, str(config_path)
         if text is None and (tok_path.parent / JINJA).is_file():

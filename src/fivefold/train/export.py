@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config import ConfigError, load_config
+from fivefold.config.file_errors import os_problem, verb
 from fivefold.models.hf import DEFAULT_SHARD_BYTES
 from fivefold.models.hf_stream import write_hf_folder
 from fivefold.train import sharded_io
@@ -73,10 +74,14 @@ def checkpoint_to_hf(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, token
         sharded_io.load({key: sharded_io.whole(tensor)}, path, single_process=True)
         return tensor
 
-    out = write_hf_folder(dst, cfg, {key.removeprefix("model/"): (shape, dtypes[key])
-                                     for key, shape in expected.items()}, read, max_shard_bytes)
-    if tokenizer != "byte" and Path(tokenizer).is_file():
-        copy_tokenizer(Path(tokenizer), Path(dst))
+    try:
+        out = write_hf_folder(dst, cfg, {key.removeprefix("model/"): (shape, dtypes[key])
+                                         for key, shape in expected.items()}, read, max_shard_bytes)
+        if tokenizer != "byte" and Path(tokenizer).is_file():
+            copy_tokenizer(Path(tokenizer), Path(dst))
+    except OSError as err:  # the checkpoint's own reads are one sentence already (sharded_io.load)
+        raise os_problem(dst, err, verb(err, dst), "or choose another folder to export to; the checkpoint "
+                         f"{path} is unchanged") from None
     return out
 
 
