@@ -1,6 +1,6 @@
 """Where a single-process fivefold CPU step spends its time beyond the model's own math.
 
-    OMP_NUM_THREADS=2 python benchmarks/profile_step.py [--steps 8] [--warmup 3] [--top 15] [--compile]
+    OMP_NUM_THREADS=2 python benchmarks/profile_step.py [--steps 8] [--warmup 3] [--top 15] [--compile] [--dtype fp32|bf16]
 
 Two views of the same run:
 1. Phases: the trainer's step split into forward+backward, finishing gradients, gradient norm and
@@ -58,8 +58,9 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--compile", action="store_true", help="train.compile (Inductor per block)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     args = p.parse_args(argv)
-    cfg = make_config(CPU_SHAPE, args.seq_len, args.batch, args.steps, compile=args.compile)
+    cfg = make_config(CPU_SHAPE, args.seq_len, args.batch, args.steps, dtype=args.dtype, compile=args.compile)
     # One thread: time with the process's CPU time (a shared machine's wall clock is mostly waiting).
     clock_name = "cpu" if torch.get_num_threads() == 1 else "wall"
     vs_transformers.clock = vs_transformers.CLOCK[clock_name]
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
           f"| {(step - accounted) / step:.1%} |")
 
     # 2. operators
-    cfg = make_config(CPU_SHAPE, args.seq_len, args.batch, args.steps, compile=args.compile)
+    cfg = make_config(CPU_SHAPE, args.seq_len, args.batch, args.steps, dtype=args.dtype, compile=args.compile)
     seen = {"n": 0}
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     original_step = Parallelized.forward_backward
