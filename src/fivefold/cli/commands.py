@@ -259,9 +259,12 @@ def cmd_viz(args: list[str]) -> int:
                              "parallel": {"pp": a.pp, "pp_virtual": a.virtual, "pp_schedule": a.schedule},
                              "train": {"global_batch": a.micro_batches, "micro_batch": 1}})
     validate(cfg)
+    from fivefold.config.file_errors import guarded, need_output_file
     from fivefold.tools.schedule_plot import draw_schedule
 
-    bubble = draw_schedule(a.schedule, a.pp, a.virtual, a.micro_batches, a.out)
+    need_output_file(a.out, "--out", "give the path of a .png file to write")
+    with guarded(a.out, "write", "or give --out another path"):
+        bubble = draw_schedule(a.schedule, a.pp, a.virtual, a.micro_batches, a.out)
     print(f"wrote {a.out}: {a.schedule}, pp={a.pp}, {a.virtual} stage(s)/rank, {a.micro_batches} "
           f"micro-batches, bubble {100 * bubble:.1f}%")
     return 0
@@ -350,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file no guarded read or write expected to fail: still one sentence
+        if not err.filename:
+            raise
+        from fivefold.config.file_errors import os_problem
+
+        print(f"error: {os_problem(err.filename, err, 'use')}", file=sys.stderr)
         return 2
 
 

@@ -16,6 +16,13 @@ def check_checkpoint(cfg: Config) -> None:
     c = cfg.checkpoint
     _require(c.resume in ("none", "auto") or Path(c.resume).exists(),
              f"checkpoint.resume='{c.resume}' must be none, auto, or an existing checkpoint folder")
+    if c.resume not in ("none", "auto"):  # the wrong kind of path is refused now, not after start-up
+        resume = Path(c.resume)
+        _require(resume.is_dir(), f"checkpoint.resume='{c.resume}' is a file, not a folder; pass a step_N folder, "
+                 "a checkpoint root, 'auto' or 'none'")
+        _require((resume / "state.json").is_file() or (resume / "latest").is_file(),
+                 f"checkpoint.resume='{c.resume}' is not a checkpoint: it has no state.json and no 'latest' marker; "
+                 "pass a step_N folder, a checkpoint root, 'auto' or 'none'")
     _require(c.every == 0 or c.dir or cfg.log.dir, "checkpoint.every > 0 needs checkpoint.dir or log.dir "
              "to say where checkpoints go")
     _require(not c.export_hf or c.dir or cfg.log.dir, f"checkpoint.export_hf='{c.export_hf}' exports the final "

@@ -16,6 +16,7 @@ from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import FRAMEWORKS, PROFILES, hardware_from_cluster, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
 from fivefold.plan.report import plot_memory, table, to_json
+from fivefold.config.file_errors import guarded, need_output_file
 from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, search,
                                   smallest_fitting_cluster)
 from fivefold.plan.workload import workload_from_config
@@ -172,6 +173,7 @@ def _plan(argv: list[str]) -> int:
             import matplotlib  # noqa: F401  (checked before any work)
         except ImportError:
             raise PlanError("--plot needs matplotlib; install it with `pip install matplotlib`") from None
+        need_output_file(flags["plot"], "--plot", "give the path of a .png file to write")
 
     rejected = n_fitting = n_rejected = None
     base = layout_from_config(cfg)
@@ -216,7 +218,8 @@ def _plan(argv: list[str]) -> int:
     else:
         print(table(candidates, title, rejected, n_fitting, n_rejected))
     if flags.get("plot"):
-        plot_memory(candidates, flags["plot"], hw.memory_bytes, title)
+        with guarded(flags["plot"], "write", "or give --plot another path"):
+            plot_memory(candidates, flags["plot"], hw.memory_bytes, title)
         if not flags["json"]:
             print(f"memory plot written to {flags['plot']}")
     if sweep:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config import ConfigError, DataConfig
+from fivefold.config.file_errors import need_folder
 from fivefold.tools.convert import checkpoint_folder, checkpoint_to_model
 from fivefold.train.export import run_tokenizer
 from fivefold.train.data import build_tokenizer
@@ -58,6 +59,7 @@ def generate(checkpoint, prompt: str, tokens: int = 200, temperature: float = 0.
     With `chat`, the prompt is a user message (after `system`, if given) rendered with the
     tokenizer's chat template and its generation prompt, and the text returned is the reply alone,
     ended by the template's end-of-turn token (the tokenizer's eos_token)."""
+    need_folder(checkpoint, "generate CHECKPOINT", "give a step_N folder, a checkpoint root or a Hugging Face folder")
     if not prompt:
         raise ConfigError("--prompt is empty; give the text to continue, e.g. --prompt 'def main('")
     if tokens < 1:

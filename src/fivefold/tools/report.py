@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from fivefold.config import ConfigError
+from fivefold.config.file_errors import guarded, need_folder, need_output_folder
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -23,7 +24,9 @@ def read_records(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no metrics.jsonl; give the log.dir of a run")
     by_step = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    with guarded(path, "read"):
+        text = path.read_text()
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -121,9 +124,14 @@ def draw_report(run_dir) -> dict[str, list[str]]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("fivefold report draws with matplotlib: pip install 'fivefold[plot]'") from None
-    run_dir = Path(run_dir)
+    run_dir = need_folder(run_dir, "report RUN_DIR", "give the log.dir of a run")
     records = read_records(run_dir)
-    out = run_dir / "report"
+    out = need_output_folder(run_dir / "report", "report folder", "move it away: fivefold report draws there")
+    with guarded(out, "write", "or free space and run fivefold report again"):
+        return _draw(plt, run_dir, out, records)
+
+
+def _draw(plt, run_dir: Path, out: Path, records: list[dict]) -> dict[str, list[str]]:
     out.mkdir(exist_ok=True)
     drawn = {}
     for name, (columns, present, draw) in PICTURES.items():

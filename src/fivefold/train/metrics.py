@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from fivefold.config.file_errors import guarded
 from fivefold.plan.hardware import device_peak_flops
 
 
@@ -38,6 +39,9 @@ def cuda_memory(device: torch.device) -> dict[str, int]:
             "cuda_mem_peak_bytes": torch.cuda.max_memory_allocated(device)}
 
 
+FIX = "or set log.dir to another folder (the checkpoints saved so far are intact)"
+
+
 class MetricsWriter:
     def __init__(self, run_dir: str, enabled: bool, every: int, total_steps: int, tensorboard: bool,
                  progress: bool = True, wandb_run=None):
@@ -49,8 +53,10 @@ class MetricsWriter:
         if not enabled:
             return
         if run_dir:
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
+            self._path = Path(run_dir) / "metrics.jsonl"
+            with guarded(self._path, "write", FIX):
+                Path(run_dir).mkdir(parents=True, exist_ok=True)
+                self._jsonl = open(self._path, "a", buffering=1)
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
@@ -58,14 +64,16 @@ class MetricsWriter:
                     print("log.tensorboard=true needs the tensorboard package: pip install 'fivefold[tensorboard]'",
                           file=sys.stderr)
                 else:
-                    self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+                    with guarded(Path(run_dir) / "tensorboard", "write", FIX):
+                        self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
         self._start = time.perf_counter()
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+            with guarded(self._path, "write", FIX):
+                self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for tag, value in tensorboard_scalars(record).items():
                 self._tb.add_scalar(tag, value, record["step"])

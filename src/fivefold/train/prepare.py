@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from fivefold.config import ConfigError
+from fivefold.config.file_errors import need_output_folder, os_problem, verb
 from fivefold.train.readers import list_files, plan_units, unit_texts
 from fivefold.train.token_shards import DOCUMENTS, FORMAT, MANIFEST
 
@@ -257,7 +258,17 @@ def prepare(sources: list[str], tokenizer: str, out: str, workers: int | None = 
     unit_bytes = unit_bytes or UNIT_BYTES
     if not sources:
         raise ConfigError("fivefold prepare needs at least one SRC (a file, folder or glob)")
-    folder = Path(out)
+    folder = need_output_folder(out, "--out", "give prepare a folder to create, or its earlier --out")
+    try:
+        return _prepare(sources, tokenizer, folder, workers, text_field, unit_bytes, progress, chat)
+    except OSError as err:  # a worker's error arrives here too, pickled with its errno and file name
+        writing = verb(err, folder) == "write"
+        raise os_problem(folder, err, verb(err, folder), "or choose another --out; finished shards are kept and "
+                         "the same command continues where it stopped" if writing else "") from None
+
+
+def _prepare(sources, tokenizer: str, folder: Path, workers, text_field: str, unit_bytes: int, progress: bool,
+             chat) -> dict:
     plan = _plan(sources, tokenizer, text_field, unit_bytes, chat)
     if not _start(folder, plan):
         return json.loads((folder / MANIFEST).read_text())
