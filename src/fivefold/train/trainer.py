@@ -24,6 +24,7 @@ from fivefold.parallel.parallelized import Parallelized
 from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
 from fivefold.train import checkpoint, export, faults, hangs, observe, preemption
+from fivefold.train.checkpoint_space import space_warning
 from fivefold.train.data import load_training_data
 from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, cuda_memory, peak_flops
 from fivefold.train.mixture import GlobalBatches
@@ -133,6 +134,9 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         writer.note(float8.describe(cfg, model_spec(cfg.model), float8.float8_all_gather(cfg, par.dims)))
     if ignored_note(cfg):
         writer.note(ignored_note(cfg))  # options this layout does nothing with, said once
+    room = space_warning(cfg, checkpoint.checkpoint_root(cfg)) if rt.is_main else None
+    if room:  # before the first step, not at the first save hours later
+        print(room, file=sys.stderr, flush=True)
     compiling = par.compiling  # parallelize's choice (for train.compile = auto, with its reason)
     if compiling.reason:
         writer.note(compiling.reason)
