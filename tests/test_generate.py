@@ -73,7 +73,8 @@ def test_bad_input_is_one_sentence(checkpoint, args, sentence, capsys):
 def test_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path} is not a fivefold checkpoint (no state.json)\n"
-    with pytest.raises(ConfigError, match="no state.json"):
+    with pytest.raises(ConfigError, match="missing does not exist; give a step_N folder, a checkpoint root or a "
+                                          "Hugging Face folder"):
         generate(tmp_path / "missing", "x")
 
 
