@@ -71,7 +71,8 @@ FULL = [
     layout(DEEPSEEK_V3, dp=2, zero=3, tp=2, pp=2, cp=2, method="allgather", ep=2),
     layout(GPT_OSS, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, seed=5),
 ]
-# Checked against the fp32 reference within 2% (bf16 keeps 8 mantissa bits) rather than 1e-5.
+# bf16 weights with fp32 masters (docs/precision.md): checked against the bf16 single process under
+# the harness rule (its own reassociation noise sets the bound), and against fp32 within 2%.
 BF16 = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, dtype="bf16")
 COMPILED = layout(DENSE, dp=2, zero=1, tp=2, pp=2, cp=2, compile=True)
 # Document masking (data.document_mask, tests/test_document_mask.py) on a corpus of short documents:
@@ -169,13 +170,14 @@ def test_full_5d(sixteen_rank_results, index):
     check([runs for runs, _ in sixteen_rank_results], index, FULL[index])
 
 
-def test_bf16_5d_tracks_fp32(sixteen_rank_results):
-    """bf16 compute, fp32 master weights and reductions: within 2% of the fp32 single-process run."""
-    want = reference({k: v for k, v in BF16.items() if k != "train"} | {"train": TRAIN})
+def test_bf16_5d(sixteen_rank_results):
+    """Equal to the bf16 single process (harness rule), and within 2% of fp32's: it really ran bf16."""
+    check([runs for runs, _ in sixteen_rank_results], len(FULL), BF16)
+    fp32 = reference({k: v for k, v in BF16.items() if k != "train"} | {"train": TRAIN})
     got = sixteen_rank_results[0][0][len(FULL)]
-    for step, (a, b) in enumerate(zip(got.losses, want.losses), 1):
+    for step, (a, b) in enumerate(zip(got.losses, fp32.losses), 1):
         assert abs(a - b) <= 0.02 * b, f"step {step}: bf16 {a} vs fp32 {b}"
-    assert got.losses != want.losses  # it really ran in bf16
+    assert got.losses != fp32.losses
 
 
 def test_document_mask_5d(sixteen_rank_results, document_source):
