@@ -309,7 +309,7 @@ FRAMEWORK_BY_SOURCE = (
     ("Narayanan", "megatron-2022"),  # Megatron-LM, 2021
     ("MT-NLG", "megatron-2022"),  # Megatron-DeepSpeed: Megatron's kernels, DeepSpeed's pipeline and ZeRO-1
     ("bigscience", "megatron-2022"),  # BLOOM: Megatron-DeepSpeed
-    ("fms-fsdp", "fivefold"),  # IBM: PyTorch FSDP, eager, as fivefold's own profile runs it
+    ("fms-fsdp", "fms-fsdp"),  # IBM: PyTorch FSDP, eager, gradients reduced in bf16
 )
 
 

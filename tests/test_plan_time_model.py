@@ -135,3 +135,39 @@ def test_every_framework_profile_says_what_it_overlaps():
         assert runtime_for(False, name) is runtime
     est = estimate(_workload(), Layout(dp=8, zero=1, mbs=1), H100, MEGATRON_RUNTIME)
     assert est.to_json()["profile"] == "megatron" and est.to_json()["overlaps"] == MEGATRON_RUNTIME.overlaps
+
+
+def test_unfused_attention_costs_most_where_the_scores_outweigh_the_projections():
+    """Megatron-LM 2021-22's core attention (plan/attention_time.py): the s x s scores go through
+    memory and the score GEMMs are skinny, so a narrow model with long sequences loses a larger
+    share of its step than a wide one; the fused kernel's time does not depend on it."""
+    a100 = hardware_for("a100")
+    fused = dataclasses.replace(MEGATRON_2022_RUNTIME, attention_kernel="fused")
+
+    def loss(dim, heads, seq):
+        work = _workload(dim=dim, ffn=4 * dim, heads=heads, layers=4, seq=seq, batch=8)
+        layout = Layout(dp=1, tp=1, mbs=1, recompute="full")
+        slow = estimate(work, layout, a100, MEGATRON_2022_RUNTIME).step_time_s
+        return slow / estimate(work, layout, a100, fused).step_time_s - 1
+
+    narrow, wide, longer = loss(2048, 16, 2048), loss(8192, 64, 2048), loss(2048, 16, 8192)
+    assert narrow > 0.05, narrow  # scores of 16 heads x 2048 keys per token against ~24 h^2 of GEMMs
+    assert 0 < wide < narrow, (wide, narrow)
+    assert longer > narrow
+    # without full recomputation Megatron still recomputes the core (selective recomputation)
+    work = _workload(dim=2048, ffn=8192, heads=16, layers=4, seq=2048, batch=8)
+    kept = estimate(work, Layout(dp=1, tp=1, mbs=1, recompute="none"), a100, MEGATRON_2022_RUNTIME)
+    kept_fused = estimate(work, Layout(dp=1, tp=1, mbs=1, recompute="none"), a100, fused)
+    assert kept.step_time_s > kept_fused.step_time_s
+    assert kept.memory.total == kept_fused.memory.total  # the scores are never kept: time only
+
+
+def test_a_framework_reducing_gradients_in_bf16_moves_half_the_data_parallel_bytes():
+    work, layout = _workload(), Layout(dp=16, zero=3, mbs=1, dp_shard=8)
+    hw = hardware_for("a100", 8)
+    fp32 = estimate(work, layout, hw, FIVEFOLD_EAGER)
+    bf16 = estimate(work, layout, hw, FRAMEWORKS["fms-fsdp"])
+    assert bf16.comm_bytes["dp"] < fp32.comm_bytes["dp"]
+    replica = dataclasses.replace(layout, dp_shard=16)  # no replicas: only the reduce-scatter halves
+    assert estimate(work, replica, hw, FRAMEWORKS["fms-fsdp"]).comm_bytes["dp"] < estimate(
+        work, replica, hw, FIVEFOLD_EAGER).comm_bytes["dp"]

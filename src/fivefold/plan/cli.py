@@ -25,7 +25,7 @@ from fivefold.config.validate import validate
 USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--cluster.gpus_per_node 8]
                      [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]
                      [--layouts FILE.jsonl] [--json] [--plot FILE.png] [--top K] [--sweep K]
-                     [--framework fivefold|torchtitan|megatron|megatron-2022|nanotron]
+                     [--framework fivefold|torchtitan|megatron|megatron-2022|nanotron|fms-fsdp]
                      [--section.key value ...]
 
 Without --layout, searches the layouts of --cluster.gpus GPUs and ranks them by predicted

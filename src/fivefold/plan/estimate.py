@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivefold.plan import comm, gemm
+from fivefold.plan.attention_time import attention_seconds
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.activations import keeps_gathered, rank_activation_elements
@@ -116,9 +117,9 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
         experts = stats.moe_flops_per_token(layer)
         dense = stats.layer_flops_per_token(layer, seq) - attn - experts
         in_fp8 = _float8_flops_per_token(stats, ((layer, 1),), seq) if fp8 else 0.0
-        seconds = ((dense - in_fp8) / eff_dense + in_fp8 / eff_fp8 + experts / eff_experts
-                   + attn / hw.matmul_efficiency) / peak
-        compute += count * recomputed * rows * seconds
+        seconds = ((dense - in_fp8) / eff_dense + in_fp8 / eff_fp8 + experts / eff_experts) / peak
+        core = attention_seconds(stats, layer, seq, rows, hw, runtime.attention_kernel, layout.recompute)
+        compute += count * (recomputed * rows * seconds + core)
         attention += count * attn * rows / (peak * hw.matmul_efficiency)
     if prank.has_output:
         compute += (stats.output_flops_per_token * rows
@@ -213,7 +214,7 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
         if params <= 0:
             continue
         n = link.size
-        grads, weights = params * pr.reduce_bytes, params * pr.param_bytes
+        grads, weights = params * (runtime.reduce_bytes or pr.reduce_bytes), params * pr.param_bytes
         if layout.zero == 0:
             total_bytes += 2 * (n - 1) / n * grads
             hidden += comm.all_reduce_time(grads, link, hw, eff)

@@ -97,17 +97,20 @@ def device_peak_flops(device_name: str, dtype: str) -> float | None:
 # Datasheet values (NVIDIA SXM parts, DGX/HGX-style nodes of 8 GPUs with one 400 Gb/s NIC per GPU).
 # Bus bandwidths are what NCCL reaches, about 80% of the link rate: NVLink 4 moves 450 GB/s each
 # way per GPU, so ~360 GB/s; a 400 Gb/s NIC moves 50 GB/s, so ~40 GB/s.
-# matmul_efficiency by GPU: H100's is fitted (see Hardware). The others follow from it by the ratio
-# of what large bf16 GEMMs sustain in published cuBLAS sweeps relative to peak (A100 ~0.85-0.9 of
-# 312 TFLOP/s at 400 W; H100 SXM ~0.7-0.75 of 989 at 700 W, power-bound clocks; B200 ~0.7 of 2,250
-# at 1,000 W): A100 x1.2, H200/H800 = H100 (the same die and clocks), B200 x0.95. They are not
-# fitted to any published training run (the A100 rows of ../shared/data/published_runs_dev.csv
-# check the A100 figure; docs/planner.md).
+# matmul_efficiency by GPU: H100's is fitted (see Hardware). H200/H800 = H100 (the same die and
+# clocks) and B200 x0.95, by the ratio of what large bf16 GEMMs sustain in published cuBLAS sweeps
+# relative to peak (H100 SXM ~0.7-0.75 of 989 TFLOP/s at 700 W, power-bound clocks; B200 ~0.7 of
+# 2,250 at 1,000 W). A100 (~0.85-0.9 of 312 at 400 W in the same sweeps, x1.13-1.29 H100's share):
+# 0.70, fitted on the even rows of the A100 published runs (published_runs_dev.csv followed by
+# Narayanan et al. 2021 Table 1, each with its framework's profile; benchmarks/RESULTS.md), the
+# odd rows held out; within the sweeps' ratio, at its top: an A100 at 400 W keeps its clocks
+# through a step where an H100 at 700 W does not.
 H100_MATMUL_EFFICIENCY = 0.55
+A100_MATMUL_EFFICIENCY = 0.70
 PROFILES: dict[str, Hardware] = {
     "a100": Hardware("a100", peak_flops=PEAK_FLOPS["a100"][0], memory_bytes=80 * GB, hbm_bw=2.0 * TB,
                      intra_bw=240 * GB, nic_bw=20 * GB,  # NVLink 3 (300 GB/s/dir), 200 Gb/s HDR
-                     matmul_efficiency=1.2 * H100_MATMUL_EFFICIENCY, gemm_fill_s=8e-6, has_fp8=False),
+                     matmul_efficiency=A100_MATMUL_EFFICIENCY, gemm_fill_s=8e-6, has_fp8=False),
     "h100": Hardware("h100", peak_flops=PEAK_FLOPS["h100"][0], memory_bytes=80 * GB, hbm_bw=3.35 * TB,
                      intra_bw=360 * GB, nic_bw=40 * GB, matmul_efficiency=H100_MATMUL_EFFICIENCY),
     "h200": Hardware("h200", peak_flops=PEAK_FLOPS["h200"][0], memory_bytes=141 * GB, hbm_bw=4.8 * TB,
@@ -207,6 +210,13 @@ class Runtime:
     # Megatron's sequence parallelism gathers a linear layer's input again in backward too, but
     # under the input-gradient GEMM (Korthikanti et al. 2022 s4.2.2); fivefold's re-gather is exposed.
     regather_overlapped: bool = False
+    # Bytes per element of the data-parallel gradient reduction when the framework reduces in
+    # another dtype than the precision recipe says (0: the recipe's; IBM's fms-fsdp reduces in bf16: 2).
+    reduce_bytes: float = 0.0
+    # The attention core's kernels (plan/attention_time.py): 'fused' (FlashAttention and its kin)
+    # or 'unfused' (Megatron-LM 2021-22: batched score GEMMs, the s x s scores through memory for
+    # softmax and dropout, the core's forward recomputed in backward under selective recomputation).
+    attention_kernel: str = "fused"
     # Pipeline sends split over the tp ranks even without sequence parallelism, re-gathered over
     # NVLink on arrival (Megatron's scatter/gather optimisation, Narayanan et al. 2021 s4.1).
     pp_scatter_gather: bool = False
@@ -260,7 +270,7 @@ TORCHTITAN_RUNTIME = dataclasses.replace(
 # all-reduce after the last backward (Korthikanti et al. s6.3: "not overlapped").
 MEGATRON_2022_RUNTIME = dataclasses.replace(
     FIVEFOLD_COMPILED, regathers_inputs=True, regather_overlapped=True, pp_scatter_gather=True,
-    dp_overlap_fraction=0.0, ep_overlap="none",
+    dp_overlap_fraction=0.0, ep_overlap="none", attention_kernel="unfused",
     tokens_per_sec_error=(0.097, 0.23),  # the 13 Megatron / Megatron-DeepSpeed rows of published_runs_dev.csv
     name="megatron-2022", overlaps="nothing: tp, pp and the dp all-reduce exposed (A100-era "
     "Megatron-LM and Megatron-DeepSpeed)")
@@ -270,14 +280,21 @@ MEGATRON_2022_RUNTIME = dataclasses.replace(
 # into the producing kernels, and expert all-to-all overlapped with compute.
 MEGATRON_RUNTIME = dataclasses.replace(
     MEGATRON_2022_RUNTIME, dp_overlap_fraction=1.0, param_gather_overlapped=True,
-    tp_exposed_fraction=0.25, float8_cast_bytes_per_element=1.0, ep_overlap="always",
+    tp_exposed_fraction=0.25, float8_cast_bytes_per_element=1.0, ep_overlap="always", attention_kernel="fused",
     name="megatron", overlaps="tp collectives under the GEMMs (TE userbuffers, a quarter left "
     "exposed), dp gradient reduce-scatter under backward and the weight all-gather under the next "
     "forward (distributed optimizer), expert all-to-all under compute; pp exposed")
+# IBM's fms-fsdp (foundation-model-stack/fms-fsdp, the 2024 Llama 2 runs on 128 A100s): PyTorch
+# FSDP, eager, as fivefold's eager profile runs it, except that its bfSixteen mixed-precision
+# policy reduces gradients in bf16 (fms_fsdp/policies/mixed_precision.py: reduce_dtype=bfloat16).
+FMS_FSDP_RUNTIME = dataclasses.replace(
+    FIVEFOLD_EAGER, reduce_bytes=2.0, name="fms-fsdp",
+    overlaps="FSDP gathers and bf16 gradient reduce-scatters (HSDP: and all-reduces) under compute; "
+    "nothing else to overlap (no tp or pp)")
 FRAMEWORKS: dict[str, Runtime] = {
     "fivefold": FIVEFOLD_EAGER, "fivefold-compiled": FIVEFOLD_COMPILED, "nanotron": NANOTRON_RUNTIME,
     "torchtitan": TORCHTITAN_RUNTIME, "megatron-2022": MEGATRON_2022_RUNTIME, "megatron": MEGATRON_RUNTIME,
-    "nemo": MEGATRON_RUNTIME,
+    "nemo": MEGATRON_RUNTIME, "fms-fsdp": FMS_FSDP_RUNTIME,
 }
 
 
