@@ -120,8 +120,12 @@ def test_zero1_gathers_bf16_weights(runs):
 
 
 def test_saving_run_matches_the_single_process(runs):
-    want = reference(SAVE).losses
-    assert max(abs(a - b) / b for a, b in zip(runs[0]["saving"], want)) <= LOSS_RTOL
+    # The harness rule of this file (its docstring): bf16 rounding flips make the bound the
+    # single process's own reassociation noise, not fp32's fixed LOSS_RTOL (the trajectory of the
+    # default parameter groups crosses such a flip: 2.8e-5 against a noise of 2e-4).
+    want = reference(SAVE)
+    bound = max(LOSS_RTOL, NOISE_MARGIN * want.loss_noise)
+    assert max(abs(a - b) / b for a, b in zip(runs[0]["saving"], want.losses)) <= bound
 
 
 def test_same_layout_resume_is_bit_for_bit(runs):

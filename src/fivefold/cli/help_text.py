@@ -232,12 +232,14 @@ def command_help(command: str, options: str = "") -> str:
 def config_keys_help() -> str:
     """Every config key, by section: `--section.key DEFAULT   help`."""
     sections = config_sections()
-    width = max(len(f"--{key} {default}") for _, _, rows in sections for key, default, _ in rows) + 4
+    # A very long default (train.param_groups) runs into its help rather than widening every row.
+    width = max(n for _, _, rows in sections for key, default, _ in rows
+                if (n := len(f"--{key} {default}")) <= 44) + 4
     columns = max(100, shutil.get_terminal_size().columns)
     lines = ["config keys (defaults shown; a model.preset fills the [model] keys, explicit keys override it):"]
     for section, doc, rows in sections:
         lines += ["", f"[{section}]" + (f"  {doc.splitlines()[0]}" if doc else "")]
         for key, default, help in rows:  # the help wrapped under its own column
-            lines.append(textwrap.fill(help, columns, initial_indent=f"  {f'--{key} {default}':<{width - 2}}",
+            lines.append(textwrap.fill(help, columns, initial_indent=f"  {f'--{key} {default}':<{width - 4}}  ",
                                        subsequent_indent=" " * width) if help else f"  --{key} {default}")
     return "\n".join(lines)

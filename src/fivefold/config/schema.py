@@ -164,6 +164,14 @@ class TrainConfig:
     schedule: str = checked("cosine", choices=("cosine", "wsd", "constant"))  # cosine | wsd | constant
     decay_fraction: float = checked(0.2, gt=0, le=1)  # wsd: share of steps spent decaying
     weight_decay: float = checked(0.1, ge=0)
+    # adamw | muon (Muon on the matrices inside the blocks, AdamW on the rest; docs/optimizers.md)
+    optimizer: str = checked("adamw", choices=("adamw", "muon"))
+    muon_momentum: float = checked(0.95, ge=0, lt=1)  # Muon's Nesterov momentum
+    # original (sqrt(max(1, rows/cols))) | match_rms_adamw (0.2·sqrt(max(rows, cols)): AdamW's lr and decay carry over)
+    muon_adjust_lr: str = checked("original", choices=("original", "match_rms_adamw"))
+    # Per-group settings, 'SELECTOR: key=value, ...' separated by ';' (config/param_groups.py, docs/optimizers.md);
+    # the default exempts norms, biases and embeddings from weight decay
+    param_groups: str = "norm|bias|embedding:weight_decay=0"
     beta1: float = checked(0.9, ge=0, lt=1)
     beta2: float = checked(0.95, ge=0, lt=1)
     grad_clip: float = checked(1.0, ge=0, note="0 = off")  # 0 = off

@@ -17,6 +17,7 @@ from fivefold.config.families import FAMILIES
 from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, parse_layer_counts
 from fivefold.config.schema import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ParallelConfig, micro_batches  # noqa: F401
 from fivefold.config.validate_data import check_data
+from fivefold.config.validate_optimizer import check_optimizer
 from fivefold.config.validate_attention import check_family_keys
 from fivefold.config.validate_run import check_checkpoint, check_log, check_run_folders
 
@@ -314,6 +315,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _check_model(cfg)
     _check_train(cfg)
     _check_parallel(cfg, world_size)
+    check_optimizer(cfg)
     check_data(cfg)
     check_checkpoint(cfg)
     check_log(cfg, world_size)

@@ -168,6 +168,13 @@ class Parallelized:
         """`make_optimizer(tensors)` -> optimizer; this rank decides which tensors it updates."""
         return self.data_parallel.build_optimizer(make_optimizer)
 
+    def settings_of(self, tensor: torch.Tensor):
+        """The optimizer settings (config/param_groups.py) of a tensor `optimizer` handed out."""
+        return self.data_parallel.settings_of(tensor)
+
+    def muon_layout(self):
+        return self.data_parallel.muon_layout()
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.data_parallel.optimizer_step(optimizer)
         metrics = {}

@@ -33,6 +33,73 @@ def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
                              weight_decay=cfg.weight_decay, fused=fused)
 
 
+def build_optimizer(params, settings_of, cfg: TrainConfig, muon_layout=None) -> torch.optim.Optimizer:
+    """The optimizer over `params` (what this rank updates: parameters or ZeRO chunks), each in the
+    parameter group of its settings (`settings_of(tensor)`, config/param_groups.py; None: the base
+    settings). A group's lr is train.lr x its lr_scale; the schedule multiplies every group alike.
+    Muon's tensors go to train/muon.py (`muon_layout`: how this layout orthogonalises them whole)
+    and the rest to fused AdamW, chained into one optimizer for the schedule and checkpoints."""
+    from torch.distributed.tensor import DTensor
+
+    from fivefold.config.param_groups import GroupSettings
+
+    params = list(params)
+    base = GroupSettings(1.0, cfg.weight_decay, "adamw")
+    groups: dict = {}  # (settings, is DTensor) -> tensors: fused AdamW may not mix the two
+    for param in params:
+        groups.setdefault((settings_of(param) or base, isinstance(param, DTensor)), []).append(param)
+    adam = [{"params": ps, "lr": cfg.lr * s.lr_scale, "weight_decay": s.weight_decay}
+            for (s, _), ps in groups.items() if s.optimizer == "adamw"]
+    muon = [{"params": ps, "lr": cfg.lr * s.lr_scale, "weight_decay": s.weight_decay}
+            for (s, _), ps in groups.items() if s.optimizer == "muon"]
+    optimizers = []
+    if adam or not muon:
+        fused = True if params and params[0].device.type in ("cpu", "cuda") else None
+        for group in adam if fused else []:
+            for param in group["params"]:
+                contiguous_for_fused(param)
+        optimizers.append(torch.optim.AdamW(adam or params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                                            weight_decay=cfg.weight_decay, fused=fused))
+    if muon:
+        from fivefold.train.muon import Muon
+
+        optimizers.append(Muon(muon, lr=cfg.lr, momentum=cfg.muon_momentum, adjust_lr_fn=cfg.muon_adjust_lr,
+                               layout=muon_layout))
+    return optimizers[0] if len(optimizers) == 1 else Chained(optimizers)
+
+
+class Chained(torch.optim.Optimizer):
+    """Several optimizers over disjoint tensors as one: one list of parameter groups (the
+    schedule scales them all), one state dict (checkpoints read and fill it), one step."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):  # noqa: no super().__init__: no params of its own
+        self.optimizers, self.defaults = optimizers, {}
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        self.state = optimizers[0].state
+        for other in optimizers[1:]:
+            self.state.update(other.state)
+            other.state = self.state  # keys are distinct tensors, so one dict serves all
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def owner(self, tensor: torch.Tensor) -> torch.optim.Optimizer:
+        return next(o for o in self.optimizers for g in o.param_groups for p in g["params"] if p is tensor)
+
+
+def state_keys(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> tuple[str, ...]:
+    """The state tensors `optimizer` keeps for `tensor` (what checkpoints save)."""
+    from fivefold.train.muon import Muon
+
+    owner = optimizer.owner(tensor) if isinstance(optimizer, Chained) else optimizer
+    return ("momentum_buffer",) if isinstance(owner, Muon) else ("exp_avg", "exp_avg_sq")
+
+
 def contiguous_for_fused(param: torch.Tensor) -> None:
     """PyTorch 2.13's fused CPU AdamW silently mis-updates a non-contiguous tensor (6e-2 off after
     3 steps): give a plain parameter contiguous storage of its own (the optimizer updates that in

@@ -2,7 +2,8 @@
 writes and reads (train/sharded_io.py), for every layout, with no communication.
 
 Names are single-device names: 'model/<name>' for weights and persistent buffers,
-'exp_avg/<name>' and 'exp_avg_sq/<name>' for AdamW's moments. Per layout:
+'exp_avg/<name>' and 'exp_avg_sq/<name>' for AdamW's moments, 'momentum_buffer/<name>' for
+Muon's (train.optimizer = muon). Per layout:
 - tensor parallel and FSDP2 (zero 3): parameters and moments are DTensors; DTensor says the
   offset of the local shard;
 - expert parallel: expert tensors hold this ep rank's n_experts/ep experts: offset along dim 0;
@@ -115,8 +116,8 @@ class StateBoxes:
         out: dict[str, Pieces] = {}
         if hasattr(dp, "chunks"):  # flat master chunks (zero 1/2, and zero 0 under bf16)
             moments = [self._moments(optimizer, chunk, for_load) for chunk in dp.chunks]
-            for key in ADAM_KEYS:
-                self._chunk_boxes(out, {key: [m[key] for m in moments]}, for_load)
+            for key in sorted({k for m in moments for k in m}):  # AdamW's, and Muon's chunks' momentum
+                self._chunk_boxes(out, {key: [m.get(key) for m in moments]}, for_load)
             return out
         for param in dp.params:
             name = self.names[id(param)]
@@ -147,17 +148,22 @@ class StateBoxes:
                     begin = offset + first - lo
                     for key, per_bucket in flats.items():
                         flat = per_bucket[index]
+                        if flat is None:  # a bucket of another optimizer: no such state
+                            continue
                         view = flat[begin: begin + math.prod(sizes)].view(sizes)
                         self._add(out, self._key(key, name), shape, flat.dtype, at, view)
 
     def _moments(self, optimizer, key: nn.Parameter, for_load: bool) -> dict[str, torch.Tensor]:
+        from fivefold.train.optim import state_keys
+
+        keys = state_keys(optimizer, key)  # AdamW's two moments, or Muon's momentum
         state = optimizer.state.get(key, {})
-        if for_load or any(k not in state for k in ADAM_KEYS):
-            fresh = {k: torch.zeros_like(key) for k in ADAM_KEYS}
+        if for_load or any(k not in state for k in keys):
+            fresh = {k: torch.zeros_like(key) for k in keys}
             if for_load:
                 self._fresh[key] = fresh
             return fresh
-        return {k: state[k] for k in ADAM_KEYS}
+        return {k: state[k] for k in keys}
 
     def install(self, optimizer: torch.optim.Optimizer, step: float) -> None:
         """Give the optimizer the moments `optimizer(for_load=True)` made (now filled) and `step`."""

@@ -28,7 +28,7 @@ from fivefold.train.checkpoint_space import space_warning
 from fivefold.train.data import load_training_data
 from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, cuda_memory, peak_flops
 from fivefold.train.mixture import GlobalBatches
-from fivefold.train.optim import adamw, lr_scheduler
+from fivefold.train.optim import build_optimizer, lr_multiplier, lr_scheduler
 from fivefold.train.prefetch import BatchPrefetcher
 from fivefold.config.validate import ignored_note, validate
 from fivefold.train.supported import check_supported
@@ -118,7 +118,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     t = cfg.train
     # `sampler` is the data position checkpoints save; step k's batch depends on (seed, data, k) only.
     sampler, held_out = load_training_data(cfg.data, t.seq_len, cfg.model.vocab_size, t.global_batch, t.seed)
-    optimizer = par.optimizer(lambda params: adamw(params, t))
+    optimizer = par.optimizer(lambda params: build_optimizer(params, par.settings_of, t, par.muon_layout()))
     scheduler = lr_scheduler(optimizer, t)
     n_micro = micro_batches(cfg)
     tokens_per_step = t.global_batch * t.seq_len
@@ -166,7 +166,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
             batch = prefetcher.get(step)  # read in the background during the previous step
             faults.maybe_slow(cfg, rt.rank)
             sampler.step = step + 1
-            lr = optimizer.param_groups[0]["lr"]
+            lr = t.lr * lr_multiplier(step, t)  # the base lr: groups may scale it (train.param_groups)
             comm_every = cfg.log.comm_every or cfg.log.every
             measured = step in (first_step, t.steps - 1) or (comm_every and (step + 1) % comm_every == 0)
             with par.measure_comm() if measured else contextlib.nullcontext():

@@ -51,6 +51,17 @@ class DataParallel:
         # gradients meet over the expert-data-parallel group instead of dp·cp (parallel/expert/apply.py).
         self.expert_ids = ({id(p) for part in parts for n, p in part.named_parameters() if is_expert_param(n)}
                            if dims.ep > 1 else set())
+        self._settings: dict[int, object] = {}  # id(param) -> its optimizer settings (set_settings)
+
+    def set_settings(self, by_name: dict | None) -> None:
+        """The optimizer settings of each parameter (config/param_groups.py), by single-device
+        name: what `settings_of` answers. None: every tensor gets the optimizer's base settings."""
+        self._settings = {id(p): by_name[n] for part in self.parts
+                          for n, p in part.named_parameters(remove_duplicate=False)} if by_name else {}
+
+    def settings_of(self, tensor: torch.Tensor):
+        """The settings of a tensor `build_optimizer` handed out (None: the base settings)."""
+        return self._settings.get(id(tensor))
 
     def copies(self, param: torch.Tensor) -> int:
         copies = copies_of_local_piece(param, self.norm_world) * self.extra_copies.get(id(param), 1)
@@ -72,12 +83,23 @@ class DataParallel:
                 continue
             size = dist.get_world_size(grp) if grp is not None else 1  # None: this rank alone
             pad = size if padded_to is None else padded_to
-            for bucket in make_buckets(params, padded_to=pad):
+            for bucket in self._buckets_by_settings(params, pad):
                 bucket.group, bucket.group_size, bucket.group_rank = grp, size, rank
                 bucket.is_expert = is_expert
                 bucket.scale = 1.0 / (self.dims.dp * self.dims.cp)  # HSDP's replica all-reduce adds, too
                 buckets.append(bucket)
         return buckets
+
+    def _buckets_by_settings(self, params: list[nn.Parameter], padded_to: int) -> list[Bucket]:
+        """Buckets that never hold two optimizer settings (a ZeRO chunk is then one optimizer
+        tensor with one group's settings, however it cuts through tensors), in the order backward
+        completes them: by their earliest parameter, last first."""
+        order = {id(p): i for i, p in enumerate(params)}
+        kinds: dict = {}
+        for param in params:
+            kinds.setdefault(self._settings.get(id(param)), []).append(param)
+        buckets = [b for same in kinds.values() for b in make_buckets(same, padded_to=padded_to)]
+        return sorted(buckets, key=lambda b: -min(order[id(p)] for p in b.params))
 
     @contextlib.contextmanager
     def grad_sync(self, is_last: bool):
@@ -112,6 +134,10 @@ class DataParallel:
     def build_optimizer(self, make_optimizer) -> torch.optim.Optimizer:
         """`make_optimizer(tensors)` builds the optimizer over the tensors this rank updates."""
         return make_optimizer(self.params)
+
+    def muon_layout(self):
+        """How Muon finds whole matrices in the tensors this rank updates; None: each holds its own."""
+        return None
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()

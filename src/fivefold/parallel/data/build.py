@@ -28,6 +28,20 @@ from fivefold.parallel.data.replicate import ReplicatedDataParallel
 
 def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: Config,
                         pipeline=None) -> DataParallel:
+    dp = _build(parts, dims, mesh, cfg, pipeline, settings := optimizer_settings(cfg))
+    dp.set_settings(settings)
+    return dp
+
+
+def optimizer_settings(cfg: Config) -> dict:
+    """Each parameter's optimizer settings by single-device name (config/param_groups.py)."""
+    from fivefold.config.param_groups import settings_by_name
+    from fivefold.models import build_meta_model
+
+    return settings_by_name(cfg.train, build_meta_model(cfg.model))
+
+
+def _build(parts, dims, mesh, cfg: Config, pipeline, settings: dict) -> DataParallel:
     zero = cfg.parallel.zero
     fsdp = zero == 3 and dims.dp * dims.cp > 1
     if cfg.train.dtype == "bf16" and not fsdp:
@@ -35,7 +49,8 @@ def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: C
 
         sharded = zero in (1, 2) and dims.dp * dims.cp > 1
         return ShardedOptimizerDataParallel(parts, dims, mesh, shard_grads=sharded and zero == 2, pipeline=pipeline,
-                                            main_grads=not (sharded and zero == 2), shard=sharded)
+                                            main_grads=not (sharded and zero == 2), shard=sharded,
+                                            settings=settings)
     if dims.dp * dims.cp == 1:
         if dims.expert_data_parallel > 1:
             # No data parallelism, but tp ranks holding the same experts (ep borrowing only part of
@@ -48,7 +63,8 @@ def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: C
     if zero in (1, 2):
         from fivefold.parallel.data.zero import ShardedOptimizerDataParallel
 
-        return ShardedOptimizerDataParallel(parts, dims, mesh, shard_grads=zero == 2, pipeline=pipeline)
+        return ShardedOptimizerDataParallel(parts, dims, mesh, shard_grads=zero == 2, pipeline=pipeline,
+                                            settings=settings)
     from fivefold.parallel.data.fsdp import FullyShardedDataParallel
 
     # Schedules that split backward into an input pass and a later weight pass find the weights

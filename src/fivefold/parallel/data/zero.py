@@ -53,10 +53,15 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class ShardedOptimizerDataParallel(DataParallel):
     def __init__(self, parts, dims, mesh, shard_grads: bool, pipeline=None, main_grads: bool = False,
-                 shard: bool = True):
+                 shard: bool = True, settings: dict | None = None):
         """main_grads: bf16 parameters, whose gradients accumulate in the fp32 bucket buffers.
-        shard: False keeps whole masters on every rank and all-reduces (bf16 at zero 0 or dp = 1)."""
+        shard: False keeps whole masters on every rank and all-reduces (bf16 at zero 0 or dp = 1).
+        settings: each parameter's optimizer settings by name (config/param_groups.py). A bucket
+        holds parameters of one settings only, so each chunk is one optimizer tensor of one
+        parameter group, whatever tensors it cuts through; the cost is a few more, smaller
+        buckets (norms, biases and embeddings apart from the matrices)."""
         super().__init__(parts, dims)
+        self.set_settings(settings)
         self.shard_grads, self.main_grads = shard_grads, main_grads
         if shard:
             self.name = (f"zero {2 if shard_grads else 1}: optimizer state{' and gradients' if shard_grads else ''} "
@@ -292,6 +297,19 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def build_optimizer(self, make_optimizer) -> torch.optim.Optimizer:
         return make_optimizer(self.chunks)  # the optimizer sees only this rank's chunks
+
+    def muon_layout(self):
+        """How Muon finds whole matrices in this rank's chunks (parallel/data/muon_step.py)."""
+        from fivefold.parallel.data.muon_step import ChunkMatrices
+
+        muon = [(b, c) for b, c in zip(self.buckets, self.chunks) if getattr(self.settings_of(c), "optimizer", "") == "muon"]
+        return ChunkMatrices([b for b, _ in muon], [c for _, c in muon])
+
+    def settings_of(self, tensor: torch.Tensor):
+        for bucket, chunk in zip(self.buckets, self.chunks):
+            if chunk is tensor:
+                return super().settings_of(bucket.params[0])  # a bucket holds one settings
+        return super().settings_of(tensor)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
