@@ -125,3 +125,19 @@ def test_model_that_fits_nowhere_gets_the_smallest_gpu_count(capsys):
     assert code == 2
     assert "does not fit on 8 h100 GPUs" in err
     assert "the smallest GPU count on which it fits is 128" in err
+
+
+def test_chunks_without_a_layer_are_planned_and_said_to_be_planner_only(capsys):
+    """Llama 3's split, scaled to 32 layers on pp 2: interleaved, one layer per chunk, the first
+    chunk embedding-only and the last head-only (pp·v = 34 chunks > 32 layers)."""
+    split = "0," + ",".join(["1"] * 32) + ",0"
+    base = [*LLAMA8, "--cluster.gpus", "32", "--cluster.gpu", "h100"]
+    layout = "dp=16,zero=1,tp=1,pp=2,mbs=1,recompute=full,pp_schedule=interleaved_1f1b,pp_virtual=17"
+    (cand,) = plan_json(capsys, *base, "--layout", f"{layout},pp_layers={split}")["candidates"]
+    assert "planned only" in cand["why"] and cand["layout"]["pp_virtual"] == 17
+    (whole,) = plan_json(capsys, *base, "--layout", layout.replace("pp_virtual=17", "pp_virtual=16")
+                         + ",pp_layers=" + ",".join(["1"] * 32))["candidates"]
+    assert "planned only" not in whole["why"]
+    # a split whose counts do not add up to the layers is still one sentence and exit 2
+    code, _, err = plan(capsys, *base, "--layout", f"{layout},pp_layers=0," + ",".join(["1"] * 34))
+    assert code == 2 and "layer" in err and err.count("\n") == 1

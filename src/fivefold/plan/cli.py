@@ -16,6 +16,7 @@ from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import FRAMEWORKS, PROFILES, hardware_from_cluster, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
 from fivefold.plan.report import plot_memory, table, to_json
+from fivefold.plan.short_chunks import NOTE as SHORT_CHUNKS_NOTE, planner_only, trainer_stand_in
 from fivefold.config.file_errors import guarded, need_output_file
 from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, search,
                                   smallest_fitting_cluster)
@@ -139,11 +140,15 @@ def _evaluate_given(cfg, workload, hw, layouts: list[Layout], where: list[str], 
             raise PlanError(f"{label}: dp*tp*pp*cp = {layout.dp}*{layout.tp}*{layout.pp}*"
                             f"{layout.cp} = {world} but --cluster.gpus is {gpus}; make them equal")
         _check_nodes(world, hw.gpus_per_node, f"{label}: a layout")
-        problem = layout_problem(cfg, workload, layout, world)
+        short = planner_only(layout, workload.stats.n_layers)
+        checked = trainer_stand_in(layout, workload.stats.n_layers) if short else layout
+        problem = layout_problem(cfg, workload, checked, world)
         if problem:
             raise PlanError(f"{label}: {problem}")
         est = estimate(workload, layout, hw, runtime)
         explain_single(est)
+        if short:
+            est.why = f"{est.why}; {SHORT_CHUNKS_NOTE}"
         out.append(est)
     return out
 
