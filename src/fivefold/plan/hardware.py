@@ -271,7 +271,7 @@ TORCHTITAN_RUNTIME = dataclasses.replace(
 MEGATRON_2022_RUNTIME = dataclasses.replace(
     FIVEFOLD_COMPILED, regathers_inputs=True, regather_overlapped=True, pp_scatter_gather=True,
     dp_overlap_fraction=0.0, ep_overlap="none", attention_kernel="unfused",
-    tokens_per_sec_error=(0.097, 0.23),  # the 13 Megatron / Megatron-DeepSpeed rows of published_runs_dev.csv
+    tokens_per_sec_error=(0.051, 0.275),  # the 13 Megatron / Megatron-DeepSpeed rows of published_runs_dev.csv
     name="megatron-2022", overlaps="nothing: tp, pp and the dp all-reduce exposed (A100-era "
     "Megatron-LM and Megatron-DeepSpeed)")
 # Megatron-core / NeMo (2024-25, what NVIDIA's H100 and B200 runs use): Transformer Engine with tp
