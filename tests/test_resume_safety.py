@@ -122,3 +122,14 @@ def test_a_foreign_folder_at_the_step_being_saved_is_refused(tmp_path, name):
                                           r"checkpoint\.dir"):
         train(tiny_config({"train": {"steps": 1}, "checkpoint": {"dir": str(tmp_path), "every": 1}}))
     assert (tmp_path / name / "notes.txt").read_text() == "mine"
+
+
+def test_a_checkpoint_from_before_a_key_is_compared_with_the_value_it_trained_under():
+    """A checkpoint written before train.param_groups and train.optimizer existed trained with
+    uniform decay and AdamW: resuming it under today's default groups is named, not silent."""
+    cfg = tiny_config({})
+    saved = {"train": {k: v for k, v in cfg.to_dict()["train"].items() if k not in ("param_groups", "optimizer")}}
+    assert resume_checks.changed_training_keys(saved, cfg) == [
+        f"train.param_groups '' -> {cfg.train.param_groups!r}"]
+    same = tiny_config({"train": {"param_groups": ""}})
+    assert resume_checks.changed_training_keys(saved, same) == []

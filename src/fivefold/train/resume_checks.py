@@ -13,6 +13,10 @@ from fivefold.config import Config, ConfigError
 # the new value wins, with the warning).
 NOT_COMPARED = ("preset", "init_from", "max_seq_len")
 TRAINING_KEYS = ("moe.aux_loss_coeff", "moe.bias_update_rate", "mtp_loss_weight")
+# [train] keys added after checkpoints were first written, with the value a checkpoint without them
+# trained under: comparing with it names a changed default (e.g. no decay on norms, biases and
+# embeddings) instead of resuming under it silently.
+BEFORE_THE_KEY = {"param_groups": "", "optimizer": "adamw"}
 
 
 def _flat(section: dict, prefix: str = "") -> dict:
@@ -49,5 +53,6 @@ def changed_training_keys(state: dict, cfg: Config) -> list[str]:
     model = _flat(state.get("model", {}))
     saved_training = {k: model[k] for k in TRAINING_KEYS if k in model}
     now = _flat(cfg.to_dict()["model"])
-    return (_changed(state.get("train", {}), cfg.to_dict()["train"], "train")
+    saved_train = {**BEFORE_THE_KEY, **state.get("train", {})}
+    return (_changed(saved_train, cfg.to_dict()["train"], "train")
             + _changed(saved_training, {k: now[k] for k in TRAINING_KEYS}, "model"))
