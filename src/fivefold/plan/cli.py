@@ -6,7 +6,9 @@ Every bad input becomes one sentence on stderr and exit code 2; never a tracebac
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -45,42 +47,51 @@ class PlanError(Exception):
     """A bad input, explained in one sentence."""
 
 
+class _Arguments(argparse.ArgumentParser):
+    """The planner's own options; a mistake is one sentence, not a usage dump."""
+
+    def error(self, message):
+        missing = re.fullmatch(r"argument (--[\w-]+): expected one argument", message)
+        if missing:
+            flag = missing.group(1)
+            raise PlanError(f"{flag} needs a value, e.g. {flag} {_example(flag)}")
+        raise PlanError(f"fivefold plan: {message}; see `fivefold plan --help`")
+
+
+def _parser() -> _Arguments:
+    parser = _Arguments(prog="fivefold plan", add_help=False, allow_abbrev=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    for flag in VALUE_FLAGS:
+        parser.add_argument(flag)  # a string here; each is checked where it is used, in one sentence
+    return parser
+
+
 def _parse_args(argv: list[str]) -> tuple[str | None, dict, list[str]]:
-    config, flags, overrides = None, {"json": False}, []
+    """(CONFIG or None, the given planner options, the --section.key value overrides in order)."""
+    own, rest = _parser().parse_known_args(argv)
+    flags = {name: value for name, value in vars(own).items() if value is not None and value is not False}
+    flags["json"] = own.json
+    config, overrides = None, []
     i = 0
-    while i < len(argv):
-        arg = argv[i]
+    while i < len(rest):
+        arg = rest[i]
         name, _, inline = arg.partition("=")
-        if arg in ("-h", "--help"):
-            flags["help"] = True
-            i += 1
-        elif arg == "--json":
-            flags["json"] = True
-            i += 1
-        elif name in VALUE_FLAGS:
-            if inline:
-                flags[name[2:]] = inline
-                i += 1
-            elif i + 1 < len(argv):
-                flags[name[2:]] = argv[i + 1]
-                i += 2
-            else:
-                raise PlanError(f"{name} needs a value, e.g. {name} {_example(name)}")
-        elif arg.startswith("--"):
+        if arg.startswith("--"):
             if "." not in name:
                 raise PlanError(f"unknown option {name}; see `fivefold plan --help`")
-            overrides.append(arg)
-            if not inline:
-                if i + 1 >= len(argv):
-                    raise PlanError(f"{arg} needs a value, e.g. {arg} 8")
-                overrides.append(argv[i + 1])
+            if inline:
+                overrides.append(arg)
+            elif i + 1 < len(rest):
+                overrides += [arg, rest[i + 1]]
                 i += 1
-            i += 1
+            else:
+                raise PlanError(f"{arg} needs a value, e.g. {arg} 8")
         elif config is None:
             config = arg
-            i += 1
         else:
             raise PlanError(f"unexpected argument '{arg}'; give at most one CONFIG file")
+        i += 1
     return config, flags, overrides
 
 
