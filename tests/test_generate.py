@@ -90,5 +90,5 @@ def test_the_runs_tokenizer_is_used_and_a_bad_one_named(checkpoint, tmp_path, ca
     (tmp_path / "tokenizer.json").write_text("not a tokenizer")
     assert main(["generate", str(step), "--prompt", "x", "--tokenizer", str(tmp_path / "tokenizer.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --tokenizer '{tmp_path / 'tokenizer.json'}' could not be read as a tokenizer (")
+    assert err.startswith(f"error: --tokenizer '{tmp_path / 'tokenizer.json'}' is not a Hugging Face tokenizer.json (")
     assert err.count("\n") == 1, err

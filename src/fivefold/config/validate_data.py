@@ -12,6 +12,7 @@ from pathlib import Path
 from fivefold.config.errors import ConfigError, require as _require
 from fivefold.config.manifest import read_manifest
 from fivefold.config.schema import Config
+from fivefold.config.tokenizer_file import read_tokenizer
 
 
 def parse_mix(mix: str) -> list[tuple[str, float]]:
@@ -79,14 +80,7 @@ def _check_chat_folder(cfg: Config, folder: str, manifest: dict) -> None:
 
 def _tokenizer_size(path: str) -> int:
     """The vocabulary of a tokenizer.json; one sentence when the file is not one."""
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(path).get_vocab_size()
-    except Exception as err:  # tokenizers raises plain Exceptions for unreadable or foreign files
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"data.tokenizer '{path}' is not a Hugging Face tokenizer.json ({reason}); give the "
-                          "tokenizer.json of a model (its folder holds one) or 'byte'") from None
+    return read_tokenizer(path, "data.tokenizer").get_vocab_size()
 
 
 def _check_prepared_data(cfg: Config) -> None:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import ConfigError, DataConfig
+from fivefold.config import ConfigError
 from fivefold.config.file_errors import need_folder
 from fivefold.tools.convert import checkpoint_folder, checkpoint_to_model
 from fivefold.train.export import run_tokenizer
-from fivefold.train.data import build_tokenizer
+from fivefold.train.data import ByteTokenizer, HFTokenizer
 
 
 def _tokenizer(name: str, what: str):
@@ -29,12 +29,7 @@ def _tokenizer(name: str, what: str):
     if name != "byte" and not Path(name).is_file():
         raise ConfigError(f"{what} '{name}' is not a file; pass --tokenizer byte or --tokenizer "
                           "PATH/tokenizer.json")
-    try:
-        return build_tokenizer(DataConfig(tokenizer=name))
-    except Exception as err:  # tokenizers raises its own exception types for a bad file
-        reason = " ".join(str(err).split())  # one line, whatever the library's message looks like
-        raise ConfigError(f"{what} '{name}' could not be read as a tokenizer ({reason}); pass --tokenizer "
-                          "byte or a Hugging Face tokenizer.json") from None
+    return ByteTokenizer() if name == "byte" else HFTokenizer(name, what)
 
 
 def _source(path, tokenizer: str):

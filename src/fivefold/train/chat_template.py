@@ -24,6 +24,7 @@ import numpy as np
 
 from fivefold.config import ConfigError
 from fivefold.config.file_errors import guarded
+from fivefold.config.tokenizer_file import read_tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 CONFIG = "tokenizer_config.json"
@@ -121,9 +122,7 @@ def load_template(tokenizer: str, template_file: str = "") -> Template:
 
 def _pad_id(tokenizer: str, pad_token: str | None) -> int:
     """The tokenizer's pad token id: the config's pad token, else the tokenizer.json padding, else 0."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(tokenizer)
+    tok = read_tokenizer(tokenizer, "tokenizer")
     if pad_token is not None and tok.token_to_id(pad_token) is not None:
         return tok.token_to_id(pad_token)
     return int(tok.padding["pad_id"]) if tok.padding else 0
@@ -135,7 +134,7 @@ class Renderer:
     def __init__(self, tokenizer: str, template: Template, train_roles: tuple[str, ...]):
         transformers = transformers_module()
         self.template, self.train_roles = template, train_roles
-        self.tok = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer)
+        self.tok = transformers.PreTrainedTokenizerFast(tokenizer_object=read_tokenizer(tokenizer, "tokenizer"))
         self.tok.chat_template = template.text
         self.backend = self.tok.backend_tokenizer  # the `tokenizers` encoder: it gives character offsets
 

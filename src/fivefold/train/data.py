@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from fivefold.config import ConfigError, DataConfig
+from fivefold.config.tokenizer_file import read_tokenizer
 from fivefold.config.validate_data import check_documents
 from fivefold.models.documents import document_positions
 from fivefold.parallel.context.apply import DocumentWindows
@@ -51,10 +52,8 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer.json (no transformers needed)."""
 
-    def __init__(self, path: str):
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(path)
+    def __init__(self, path: str, role: str = "data.tokenizer"):
+        self._tok = read_tokenizer(path, role)
         self.vocab_size = self._tok.get_vocab_size()
 
     def encode(self, text: str) -> np.ndarray:

@@ -31,6 +31,7 @@ import numpy as np
 
 from fivefold.config import ConfigError
 from fivefold.config.file_errors import need_output_folder, os_problem, verb
+from fivefold.config.tokenizer_file import parse_tokenizer, read_tokenizer, tokenizer_bytes
 from fivefold.train.readers import list_files, plan_units, unit_texts
 from fivefold.train.token_shards import DOCUMENTS, FORMAT, MANIFEST
 
@@ -47,13 +48,9 @@ def tokenizer_identity(tokenizer: str) -> dict:
     path = Path(tokenizer)
     if not path.is_file():
         raise ConfigError(f"--tokenizer '{tokenizer}' is not a file; give a Hugging Face tokenizer.json or 'byte'")
-    from tokenizers import Tokenizer
-
-    try:
-        vocab = Tokenizer.from_file(str(path)).get_vocab_size()
-    except Exception as err:  # noqa: BLE001 - the library raises its own exception types
-        raise ConfigError(f"--tokenizer '{tokenizer}' is not a Hugging Face tokenizer.json ({err})") from None
-    return {"name": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "vocab_size": vocab}
+    data = tokenizer_bytes(path, "--tokenizer")
+    vocab = parse_tokenizer(data, tokenizer, "--tokenizer").get_vocab_size()
+    return {"name": path.name, "sha256": hashlib.sha256(data).hexdigest(), "vocab_size": vocab}
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -73,9 +70,7 @@ def _encoder(tokenizer: str):
                 data = [t.encode("utf-8") for t in texts]
                 return np.frombuffer(b"".join(data), dtype=np.uint8), [len(d) for d in data]
         else:
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(tokenizer)
+            tok = read_tokenizer(tokenizer, "--tokenizer")
             batch = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: no character offsets
 
             def encode(texts):
