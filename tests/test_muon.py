@@ -2,9 +2,12 @@
 matrices inside the blocks (each expert's matrix on its own) plus AdamW on the rest; every layout
 Muon reaches equals the single process; the layouts it does not reach are refused at validation.
 
-One 2-rank spawn runs every layout (zero 0/1/2 in fp32, zero 1 in bf16, an MoE at zero 2)."""
+One 2-rank spawn runs every layout (zero 0/1/2 in fp32, zero 1 in bf16, an MoE at zero 2) and the
+resumes of a Muon checkpoint (same layout bit for bit, other zero stages and one process within the
+layout tolerances)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -27,9 +30,22 @@ LAYOUTS = {"dp2 zero0": _muon(dp=2, zero=0), "dp2 zero1": _muon(dp=2, zero=1),
            "moe dp2 zero2": _muon(MOE, dp=2, zero=2)}
 
 
-def two_ranks() -> dict:
-    out = {label: run_layout(layout) for label, layout in LAYOUTS.items()}
+# Resume: "dp2 zero1" saves at step 2 of 4; the same layout, zero 0 and zero 2 on 2 ranks and
+# one process (test_resume_on_one_process) continue from it.
+SAVED = "dp2 zero1"
+RESUMES = {"dp2 zero1": LAYOUTS["dp2 zero1"], "dp2 zero2": LAYOUTS["dp2 zero2"], "dp2 zero0": LAYOUTS["dp2 zero0"]}
+
+
+def _checkpointed(layout: dict, **keys) -> dict:
+    return {**layout, "checkpoint": keys}
+
+
+def two_ranks(root: str) -> dict:
+    out = {label: run_layout(_checkpointed(layout, dir=root, every=2) if label == SAVED else layout)
+           for label, layout in LAYOUTS.items()}
     out["shares"] = _shares(_muon(dp=2, zero=1))
+    for label, layout in RESUMES.items():
+        out[f"resumed {label}"] = run_layout(_checkpointed(layout, resume=f"{root}/step_00000002"))
     return out
 
 
@@ -44,8 +60,13 @@ def _shares(layout) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_on_ranks(2, two_ranks)
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("muon-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def runs(root):
+    return run_on_ranks(2, two_ranks, root)
 
 
 @pytest.mark.parametrize("label", list(LAYOUTS))
@@ -126,8 +147,65 @@ def test_a_layout_muon_does_not_reach_is_refused(parallel, named):
     assert "use train.optimizer = adamw" in str(err.value)
 
 
-def test_resuming_muon_is_refused():
-    from fivefold.config import validate
+def _continued(reference_run, steps_done: int):
+    """The uninterrupted single-process run from step `steps_done` + 1 on (the tolerance rule's noise kept)."""
+    return dataclasses.replace(reference_run, losses=reference_run.losses[steps_done:],
+                               grad_norms=reference_run.grad_norms[steps_done:])
 
-    with pytest.raises(ConfigError, match=r"^train.optimizer = muon cannot resume"):
-        validate(tiny_config({"train": {"optimizer": "muon"}, "checkpoint": {"resume": "auto"}}))
+
+def test_same_layout_resume_is_bit_for_bit(runs):
+    """Muon's momentum (and AdamW's moments of the rest) come back exactly: the resumed steps and
+    final weights equal the uninterrupted run's bit for bit."""
+    for rank, results in enumerate(runs):
+        full, resumed = results[SAVED], results[f"resumed {SAVED}"]
+        assert resumed.losses == full.losses[2:] and resumed.grad_norms == full.grad_norms[2:], f"rank {rank}"
+        for name, tensor in full.weights.items():
+            assert torch.equal(resumed.weights[name], tensor), f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("label", [label for label in RESUMES if label != SAVED])
+def test_resume_under_another_zero_stage(runs, label):
+    """Resharded into another zero stage: equal to the uninterrupted single process (the harness rule)."""
+    want = _continued(reference(LAYOUTS[SAVED]), 2)
+    for rank, results in enumerate(runs):
+        assert_same_run(results[f"resumed {label}"], want, label=f"muon resumed under {label} rank {rank}")
+
+
+def test_resume_on_one_process(runs, root):
+    """dp 2 -> 1: the chunks' momentum read back whole, equal to the uninterrupted single process."""
+    got = run_layout(_checkpointed(_muon(), resume=f"{root}/step_00000002"))
+    assert_same_run(got, _continued(reference(LAYOUTS[SAVED]), 2), label="muon resumed on one process")
+
+
+def test_resume_that_switches_the_optimizer_starts_its_state_afresh(tmp_path, capsys):
+    """An AdamW checkpoint resumed under Muon: the matrices have no momentum saved, so it starts
+    from zero with a warning naming them, instead of refusing the checkpoint as partial."""
+    from fivefold.train.trainer import train
+
+    adamw = {"train": {**TRAIN, "optimizer": "adamw", "steps": 2}, "checkpoint": {"dir": str(tmp_path), "every": 2}}
+    train(tiny_config(adamw))
+    resumed = train(tiny_config({"train": TRAIN, "checkpoint": {"resume": str(tmp_path / "step_00000002")}}))
+    assert [r["step"] for r in resumed.records] == [3, 4]
+    assert "attention.wq.weight (adamw -> muon) and" in capsys.readouterr().err
+
+
+def test_a_matrix_moved_to_adamw_on_resume_counts_its_steps_from_zero(tmp_path, capsys):
+    """A Muon checkpoint resumed under AdamW: the matrices' AdamW starts as a fresh one would, so
+    its first bias-corrected update is lr per element (with the saved step count 2, ~0.64 lr)."""
+    from fivefold.train import checkpoint
+    from fivefold.train.trainer import train
+
+    train(tiny_config({"train": {**TRAIN, "steps": 2}, "checkpoint": {"dir": str(tmp_path), "every": 2}}))
+    saved = checkpoint.read_tensors(tmp_path / "step_00000002")
+    adamw = {**TRAIN, "optimizer": "adamw", "steps": 3}
+    resumed = train(tiny_config({"train": adamw, "checkpoint": {"resume": str(tmp_path / "step_00000002")}}))
+    assert "(muon -> adamw)" in capsys.readouterr().err
+    lr, decay = resumed.records[0]["lr"], resumed.parallel.settings_of(_wq(resumed)).weight_decay
+    name = "layers.0.attention.wq.weight"
+    step = (_wq(resumed).detach() - saved[name] * (1 - lr * decay)).abs()
+    # The median element: AdamW's eps shrinks the few whose gradient is near zero.
+    assert abs(step.median().item() - lr) <= 1e-3 * lr, (step.median().item(), lr)
+
+
+def _wq(result):
+    return dict(result.parallel.parts[0].named_parameters())["layers.0.attention.wq.weight"]

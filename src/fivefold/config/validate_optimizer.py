@@ -37,10 +37,6 @@ def check_optimizer(cfg) -> None:
         raise ConfigError(f"train.optimizer = muon does not run on {missing} yet, only on data parallelism "
                           "with parallel.zero 0, 1 or 2; use train.optimizer = adamw for this layout, or "
                           "train Muon with dp and zero 0/1/2")
-    if cfg.checkpoint.resume != "none":
-        raise ConfigError(f"train.optimizer = muon cannot resume from checkpoints yet (checkpoint.resume = "
-                          f"{cfg.checkpoint.resume}): its momentum is saved but not read back; start without "
-                          "checkpoint.resume, or resume with train.optimizer = adamw")
     from fivefold.models import build_meta_model
 
     settings_by_name(t, build_meta_model(cfg.model))  # one sentence if a group gives Muon a vector

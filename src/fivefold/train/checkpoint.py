@@ -4,7 +4,8 @@ A checkpoint is a folder `step_NNNNNNNN/` under the checkpoint root:
   .metadata, __R_0.distcp  torch.distributed.checkpoint: each rank writes the pieces of the model,
                            the AdamW moments and its RNG state that it holds (train/sharded_io.py),
                            under single-device names and whole shapes ('model/<name>',
-                           'exp_avg/<name>', 'exp_avg_sq/<name>', 'rng/cpu/<rank>')
+                           'exp_avg/<name>', 'exp_avg_sq/<name>', Muon's
+                           'momentum_buffer/<name>', 'rng/cpu/<rank>')
   state.json               step, optimizer step, data-sampler position, LR-schedule state, model config
   config.toml              the whole config that produced it (for people; not read back)
   .fivefold-checkpoint     the marker: only folders holding it are ever deleted (pruning, cleanup)
@@ -36,7 +37,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fivefold.config import Config, ConfigError, to_toml
 from fivefold.config.file_errors import guarded
-from fivefold.train import checkpoint_manifest, resume_checks, sharded_io
+from fivefold.train import checkpoint_manifest, resume_checks, resume_optimizer, sharded_io
+from fivefold.train.load_failures import state_problem, unreadable
 from fivefold.train.save_failures import save_problem, storage_error
 from fivefold.train.faults import restart_count
 
@@ -258,7 +260,9 @@ def _damage(path: Path, full: bool) -> str | None:
     """What makes checkpoint `path` unusable, or None (collective: see checkpoint_manifest.verify)."""
     try:
         recorded = json.loads((path / "state.json").read_text()).get("manifest")
-    except (OSError, ValueError, AttributeError) as err:
+    except OSError as err:
+        return unreadable("state.json", err)
+    except (ValueError, AttributeError) as err:
         return f"state.json is unreadable ({err})"
     if not recorded:
         return None  # written before manifests existed: loaded unverified, as then
@@ -271,11 +275,13 @@ def _damage(path: Path, full: bool) -> str | None:
 def newest_whole(root: Path, full: bool = False) -> Path:
     """The newest checkpoint under `root` that verifies, warning about each damaged newer one."""
     # fivefold's own step folders (a foreign one named alike is not ours to read) and what `latest` names
-    latest = root / (root / LATEST).read_text().strip()
+    with guarded(root / LATEST, "read", "or set checkpoint.resume to a step_N folder"):
+        latest = root / (root / LATEST).read_text().strip()
     candidates = sorted({p for p in root.glob(f"{PREFIX}*") if (p / MARKER).is_file()} | {latest}, reverse=True)
     damaged = []
     for path in candidates:
-        damage = _damage(path, full) if (path / "state.json").is_file() else "state.json is missing"
+        damage = (_damage(path, full) if (path / "state.json").is_file() else "state.json is missing"
+                  if path.exists() else f"'{LATEST}' names it, but it does not exist")
         if damage is None:
             if damaged and _rank() == 0:
                 print(f"warning: skipped damaged checkpoint{'s' if len(damaged) > 1 else ''} "
@@ -298,7 +304,9 @@ def follow_latest(root: Path) -> Path:
 def read_state(path: Path) -> dict:
     try:
         state = json.loads((path / "state.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except OSError as err:
+        raise state_problem(path, err) from None
+    except json.JSONDecodeError as err:
         raise ConfigError(f"checkpoint file {path / 'state.json'} is unreadable ({err}); the checkpoint "
                           "is corrupt") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -307,18 +315,20 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def expected_tensors(cfg_model, with_optimizer: bool) -> dict[str, tuple]:
-    """Checkpoint key -> whole shape this model needs (from a meta-device model: no memory)."""
+def expected_tensors(cfg_model, with_optimizer: bool, train=None) -> dict[str, tuple]:
+    """Checkpoint key -> whole shape this model needs (from a meta-device model: no memory); with
+    the optimizer, each parameter's state under `train` (the [train] section it was saved under)."""
     from fivefold.models import build_meta_model
+    from fivefold.train.resume_optimizer import STATE_KEYS, optimizers_by_name
     from fivefold.train.state_shapes import expected_shapes
 
     model = build_meta_model(cfg_model)
     shapes = expected_shapes(model)
     out = {f"model/{name}": shape for name, shape in shapes.items()}
     if with_optimizer:
-        params = {name for name, _ in model.named_parameters()}
-        out.update({f"{key}/{name}": shape for name, shape in shapes.items() if name in params
-                    for key in ("exp_avg", "exp_avg_sq")})
+        optimizers = optimizers_by_name(train, cfg_model)
+        out.update({f"{key}/{name}": shape for name, shape in shapes.items() if name in optimizers
+                    for key in STATE_KEYS[optimizers[name]]})
     return out
 
 
@@ -346,13 +356,20 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     resume_checks.check_model(path, state, cfg)
     weights_only = bool(state.get("weights_only"))  # imported weights (fivefold convert)
     stored = sharded_io.shapes(path)
-    check_shapes(path, stored, expected_tensors(cfg.model, with_optimizer=not weights_only),
+    then = resume_optimizer.saved_train(state, cfg.train)
+    check_shapes(path, stored, expected_tensors(cfg.model, with_optimizer=not weights_only, train=then),
                  "model" if weights_only else "model or optimizer")
     boxes = StateBoxes(par)
     tensors = boxes.model(for_load=True)
     rng = {}
     if not weights_only:
         tensors.update(boxes.optimizer(optimizer, for_load=True))
+        switched = resume_optimizer.switched(then, cfg.train, cfg.model)
+        for name in switched:  # no state of its new optimizer was saved: it stays the zeros made for it
+            for key in (k for keys in resume_optimizer.STATE_KEYS.values() for k in keys):
+                tensors.pop(f"{key}/{name}", None)
+        if switched and _rank() == 0:
+            print(resume_optimizer.warning(path, switched), file=sys.stderr, flush=True)
         for key, now in _rng_tensors().items():
             kind = key.rsplit("/", 1)[0]  # a rank the saving run did not have takes rank 0's
             source = key if key in stored else f"{kind}/0"
@@ -363,7 +380,7 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     boxes.after_model_load()
     if weights_only:  # a fresh optimizer, data stream and schedule from step 0
         return 0
-    boxes.install(optimizer, state.get("optimizer_step", state["step"]))
+    boxes.install(optimizer, state.get("optimizer_step", state["step"]), fresh=set(switched))
     sampler.load_state_dict(state["sampler"])
     # The rule for changed training keys: this run's values win (the optimizer and schedule are
     # built from them); only the counters come from the checkpoint, and rank 0 says what changed.

@@ -96,8 +96,10 @@ def state_keys(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> tuple[
     """The state tensors `optimizer` keeps for `tensor` (what checkpoints save)."""
     from fivefold.train.muon import Muon
 
+    from fivefold.train.resume_optimizer import STATE_KEYS
+
     owner = optimizer.owner(tensor) if isinstance(optimizer, Chained) else optimizer
-    return ("momentum_buffer",) if isinstance(owner, Muon) else ("exp_avg", "exp_avg_sq")
+    return STATE_KEYS["muon" if isinstance(owner, Muon) else "adamw"]
 
 
 def contiguous_for_fused(param: torch.Tensor) -> None:

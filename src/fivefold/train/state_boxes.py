@@ -165,14 +165,24 @@ class StateBoxes:
             return fresh
         return {k: state[k] for k in keys}
 
-    def install(self, optimizer: torch.optim.Optimizer, step: float) -> None:
-        """Give the optimizer the moments `optimizer(for_load=True)` made (now filled) and `step`."""
+    def install(self, optimizer: torch.optim.Optimizer, step: float, fresh: set[str] = frozenset()) -> None:
+        """Give the optimizer the moments `optimizer(for_load=True)` made (now filled) and `step`;
+        a tensor made only of parameters named in `fresh` (new to their optimizer) counts from 0."""
         group = optimizer.param_groups[0]
         on_device = group.get("fused") or group.get("capturable")  # where AdamW keeps its step count
         optimizer.state.clear()
         for key, moments in self._fresh.items():
             device = local_tensor(key).device if on_device else "cpu"
-            optimizer.state[key] = {**moments, "step": torch.tensor(float(step), device=device)}
+            count = 0.0 if fresh and set(self._names_in(key)) <= fresh else float(step)
+            optimizer.state[key] = {**moments, "step": torch.tensor(count, device=device)}
+
+    def _names_in(self, tensor: torch.Tensor) -> list[str]:
+        """The parameters inside an optimizer tensor: one, or a master chunk's bucket's."""
+        dp = self.par.data_parallel
+        for bucket, chunk in zip(getattr(dp, "buckets", ()), getattr(dp, "chunks", ())):
+            if chunk is tensor:
+                return [self.names[id(p)] for p in bucket.params]
+        return [self.names[id(tensor)]]
 
     def after_model_load(self) -> None:
         """The parameters from the loaded master chunks (a collective over the chunks' groups)."""
