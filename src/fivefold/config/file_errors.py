@@ -40,11 +40,16 @@ _MEANING = {
 }
 
 
+def os_meaning(err: OSError) -> tuple[str, str]:
+    """(what happened to the file, in words; the usual fix) of an OSError."""
+    return _MEANING.get(err.errno, (err.strerror or type(err).__name__, "check the path and the disk"))
+
+
 def os_problem(path, err: OSError, action: str, fix: str = "") -> FileProblem:
     """The sentence of an OSError met while `action` ("write", "read", "create") the file `path`.
     The path the OS names (err.filename) wins: it is the file that failed, e.g. inside a folder."""
     where = err.filename if isinstance(err.filename, str) and err.filename else str(path)
-    what, usual = _MEANING.get(err.errno, (err.strerror or type(err).__name__, "check the path and the disk"))
+    what, usual = os_meaning(err)
     # A caller's fix that starts with "or" offers another way ("... or set checkpoint.dir ...").
     fixes = f"{usual} {fix}" if fix.startswith("or ") else "; ".join(f for f in (usual, fix) if f)
     return FileProblem(f"cannot {action} {where}: {what}; {fixes}")
