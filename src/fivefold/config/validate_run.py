@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from fivefold.config.errors import ConfigError, require as _require
+from fivefold.config.file_errors import os_problem
 from fivefold.config.schema import Config
 
 
@@ -71,6 +72,29 @@ def check_run_folders(cfg: Config) -> None:
         check_writable_dir("checkpoint.dir", c.dir)
     elif cfg.log.dir and c.every:
         check_writable_dir("checkpoint.dir (empty: <log.dir>/checkpoints)", str(Path(cfg.log.dir) / "checkpoints"))
+    for name, key in log_subfolders(cfg):
+        path = Path(cfg.log.dir) / name
+        _require(not path.exists() or path.is_dir(), f"{path} is a file, not a folder, but {key} writes its files "
+                 "there; move it away or set log.dir to another folder")
+        if path.is_dir():  # a folder an earlier run left: it must still take new files
+            try:
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+            except OSError as err:
+                raise os_problem(path, err, "write in", f"or set log.dir to another folder ({key} writes there)") from None
+
+
+def log_subfolders(cfg: Config) -> list[tuple[str, str]]:
+    """(folder under log.dir, the key that writes there) for each one this run writes into. hangs/
+    holds every run's stack watchdog (train/hangs.py); wandb/ is W&B's, which would otherwise write
+    to another folder without a word when it cannot use this one."""
+    g = cfg.log
+    if not g.dir:
+        return []
+    wanted = [("hangs", "the hang watchdog", True), ("tensorboard", "log.tensorboard", g.tensorboard),
+              ("traces", "log.profile_steps", bool(g.profile_steps)), ("memory", "log.memory_snapshot", g.memory_snapshot),
+              ("wandb", "log.wandb", g.wandb)]
+    return [(name, key) for name, key, on in wanted if on]
 
 
 def check_writable_dir(key: str, text: str) -> None:

@@ -19,11 +19,13 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
 
 from fivefold import torch_internals
+from fivefold.config.file_errors import guarded, os_problem
 from fivefold.train.faults import ERROR_DIR
 
 FLIGHT_RECORDER_ENTRIES = "2000"
@@ -51,9 +53,10 @@ class StackWatchdog:
         self.file = None
         self.after_s = after_s
         if where is not None:
-            where.mkdir(parents=True, exist_ok=True)
             self.path = where / f"stack-rank{rank}.txt"
-            self.file = open(self.path, "w")
+            with guarded(self.path, "write", "or set log.dir to another folder"):
+                where.mkdir(parents=True, exist_ok=True)
+                self.file = open(self.path, "w")
 
     def __enter__(self) -> "StackWatchdog":
         return self
@@ -85,6 +88,15 @@ def write_record(where: Path | None, rank: int, step: int, err: BaseException) -
     """A timed-out rank's record: its flight recorder, its groups and where its Python code waited."""
     if where is None:
         return
+    try:
+        _write_record(where, rank, step, err)
+    except OSError as failure:  # the timeout's own sentence is the report: it must not be lost to this
+        problem = os_problem(where / f"rank{rank}.json", failure, "write hang record",
+                             "or set log.dir to another folder to have the next hang named")
+        print(f"warning: {problem}", file=sys.stderr, flush=True)
+
+
+def _write_record(where: Path, rank: int, step: int, err: BaseException) -> None:
     where.mkdir(parents=True, exist_ok=True)
     try:
         entries, groups = torch_internals.flight_recorder()

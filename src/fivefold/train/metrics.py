@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,8 +65,10 @@ class MetricsWriter:
                     print("log.tensorboard=true needs the tensorboard package: pip install 'fivefold[tensorboard]'",
                           file=sys.stderr)
                 else:
-                    with guarded(Path(run_dir) / "tensorboard", "write", FIX):
-                        self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+                    self._tb_dir = Path(run_dir) / "tensorboard"
+                    with guarded(self._tb_dir, "write", FIX):
+                        _quiet_event_writer_thread()
+                        self._tb = SummaryWriter(log_dir=str(self._tb_dir))
         self._start = time.perf_counter()
 
     def log(self, record: dict) -> None:
@@ -75,8 +78,9 @@ class MetricsWriter:
             with guarded(self._path, "write", FIX):
                 self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            for tag, value in tensorboard_scalars(record).items():
-                self._tb.add_scalar(tag, value, record["step"])
+            with guarded(self._tb_dir, "write", FIX):  # also the writer thread's error, raised again here
+                for tag, value in tensorboard_scalars(record).items():
+                    self._tb.add_scalar(tag, value, record["step"])
         if self._wandb is not None:
             self._wandb.log(tensorboard_scalars(record), step=record["step"])
         step = record["step"]
@@ -103,10 +107,29 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
-            self._tb.close()
+            tb, self._tb = self._tb, None
+            with guarded(self._tb_dir, "write", FIX):
+                tb.close()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _quiet_event_writer_thread() -> None:
+    """TensorBoard writes events from a thread of its own, which keeps the OS's error (a full disk)
+    and re-raises it, so Python would print that thread's traceback; the writer raises the same error
+    again at its next call on the main thread, where it becomes one sentence. So that thread's
+    OSError is not printed; any other thread's error is, as before."""
+    previous = threading.excepthook
+    if getattr(previous, "fivefold_quiet", False):
+        return
+
+    def hook(args):
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+
+    hook.fivefold_quiet = True
+    threading.excepthook = hook
 
 
 def tensorboard_scalars(record: dict) -> dict[str, float]:

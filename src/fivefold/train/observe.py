@@ -10,6 +10,7 @@ the run runs out of memory (pytorch.org/memory_viz reads both).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -17,8 +18,10 @@ import torch.distributed as dist
 
 from fivefold import torch_internals
 from fivefold.config import Config
+from fivefold.config.file_errors import FileProblem, guarded, os_problem
 from fivefold.config.validate_run import parse_steps
 from fivefold.parallel.collectives import all_reduce_scalars
+from fivefold.train.metrics import FIX
 
 
 class StepProfiler:
@@ -41,9 +44,15 @@ class StepProfiler:
     def stop(self, step: int) -> None:
         if self._running is not None:
             self._running.stop()
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self._running.export_chrome_trace(str(self.folder / f"rank{self.rank}-step{step}.json"))
-            self._running = None
+            running, self._running = self._running, None
+            path = self.folder / f"rank{self.rank}-step{step}.json"
+            with guarded(path, "write trace", FIX):
+                self.folder.mkdir(parents=True, exist_ok=True)
+                path.touch()  # the profiler's writer only logs its failures: the OS answers here instead
+                running.export_chrome_trace(str(path))
+                if path.stat().st_size == 0:
+                    raise FileProblem(f"cannot write trace {path}: the profiler wrote nothing there (its log line "
+                                      f"above says why; a full disk, most often); free space {FIX}")
 
 
 class MemorySnapshots:
@@ -62,10 +71,19 @@ class MemorySnapshots:
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.on:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
         reason = "oom" if exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError) else "end"
-        torch_internals.dump_cuda_memory_snapshot(str(self.folder / f"rank{self.rank}-{reason}.pickle"))
-        torch_internals.record_cuda_memory_history(False)
+        path = self.folder / f"rank{self.rank}-{reason}.pickle"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            torch_internals.dump_cuda_memory_snapshot(str(path))
+        except OSError as err:
+            problem = os_problem(path, err, "write memory snapshot", FIX)
+            if exc_type is None:
+                raise problem from None
+            # The run's own error (an out-of-memory) is the report; the lost snapshot is said beside it.
+            print(f"warning: {problem}", file=sys.stderr, flush=True)
+        finally:
+            torch_internals.record_cuda_memory_history(False)
 
 
 def per_rank(value: float, device: torch.device) -> list[float]:
