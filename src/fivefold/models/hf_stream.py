@@ -72,7 +72,7 @@ def read_config_json(folder: Path) -> dict:
             text = (folder / "config.json").read_text()
         hf_cfg = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{folder / 'config.json'} is not valid JSON: {err}") from None
+        raise ConfigError(f"{folder / 'config.json'} is not valid JSON ({err}); {REDO}") from None
     if not isinstance(hf_cfg, dict):
         raise ConfigError(f"{folder / 'config.json'} must hold a JSON object of model settings")
     return hf_cfg
