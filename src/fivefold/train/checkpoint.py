@@ -315,27 +315,10 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def expected_tensors(cfg_model, with_optimizer: bool, train=None) -> dict[str, tuple]:
-    """Checkpoint key -> whole shape this model needs (from a meta-device model: no memory); with
-    the optimizer, each parameter's state under `train` (the [train] section it was saved under)."""
-    from fivefold.models import build_meta_model
-    from fivefold.train.resume_optimizer import STATE_KEYS, optimizers_by_name
-    from fivefold.train.state_shapes import expected_shapes
-
-    model = build_meta_model(cfg_model)
-    shapes = expected_shapes(model)
-    out = {f"model/{name}": shape for name, shape in shapes.items()}
-    if with_optimizer:
-        optimizers = optimizers_by_name(train, cfg_model)
-        out.update({f"{key}/{name}": shape for name, shape in shapes.items() if name in optimizers
-                    for key in STATE_KEYS[optimizers[name]]})
-    return out
-
-
 def read_tensors(path: Path, cfg_model=None, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """Whole tensors of a checkpoint whose keys start with `prefix` (the prefix dropped), in one
     process (conversion, inspection, tests); checked against `cfg_model` first when given."""
-    from fivefold.train.state_shapes import check_shapes
+    from fivefold.train.state_shapes import check_shapes, expected_tensors
 
     stored, dtypes = sharded_io.shapes(path), sharded_io.dtypes(path)
     if cfg_model is not None:
@@ -350,7 +333,7 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     """Restore everything from checkpoint `path`; returns the step to continue from.
     Collective: every rank reads the pieces its own layout needs."""
     from fivefold.train.state_boxes import StateBoxes
-    from fivefold.train.state_shapes import check_shapes
+    from fivefold.train.state_shapes import check_shapes, expected_tensors
 
     state = read_state(path)
     resume_checks.check_model(path, state, cfg)

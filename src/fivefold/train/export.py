@@ -21,8 +21,8 @@ from fivefold.models.hf import DEFAULT_SHARD_BYTES
 from fivefold.models.hf_stream import write_hf_folder
 from fivefold.train import sharded_io
 from fivefold.train.chat_template import copy_tokenizer
-from fivefold.train.checkpoint import LATEST, expected_tensors, follow_latest, read_state
-from fivefold.train.state_shapes import check_shapes
+from fivefold.train.checkpoint import LATEST, follow_latest, read_state
+from fivefold.train.state_shapes import check_shapes, expected_tensors
 
 PREPARED_TOKENIZER = "tokenizer"  # where `fivefold prepare --chat` keeps a copy of its tokenizer files
 

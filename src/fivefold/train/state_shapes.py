@@ -1,5 +1,6 @@
-"""The whole shapes a checkpoint of a model must hold, and one sentence for the first tensor that
-is missing or of another shape (a checkpoint of another model, or a partial one)."""
+"""The whole shapes a checkpoint of a model (and of its optimizer's state) must hold, and one
+sentence for the first tensor that is missing or of another shape (a checkpoint of another model,
+or a partial one)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,22 @@ def expected_shapes(model) -> dict[str, tuple]:
 
     tied = model_spec(model.cfg).tied(model.cfg)
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
+
+
+def expected_tensors(cfg_model, with_optimizer: bool, train=None) -> dict[str, tuple]:
+    """Checkpoint key -> whole shape this model needs (from a meta-device model: no memory); with
+    the optimizer, each parameter's state under `train` (the [train] section it was saved under)."""
+    from fivefold.models import build_meta_model
+    from fivefold.train.resume_optimizer import STATE_KEYS, optimizers_by_name
+
+    model = build_meta_model(cfg_model)
+    shapes = expected_shapes(model)
+    out = {f"model/{name}": shape for name, shape in shapes.items()}
+    if with_optimizer:
+        optimizers = optimizers_by_name(train, cfg_model)
+        out.update({f"{key}/{name}": shape for name, shape in shapes.items() if name in optimizers
+                    for key in STATE_KEYS[optimizers[name]]})
+    return out
 
 
 def check_shapes(path, stored: dict[str, tuple], expected: dict[str, tuple], what: str) -> None:
