@@ -77,22 +77,30 @@ def test_manifest_write_refused_by_the_storage(tmp_path, monkeypatch):
     _assert_nothing_lost(tmp_path)
 
 
-def test_a_disk_without_room_for_one_checkpoint_is_said_before_the_first_step(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("optimizer, holds", [
+    ("adamw", "fp32 weights and AdamW's two moments, 12 bytes per parameter"),
+    ("muon", "fp32 weights and Muon's momentum of its matrices and AdamW's two moments of the rest, 8.74 bytes per "
+             "parameter"),
+])
+def test_a_disk_without_room_for_one_checkpoint_is_said_before_the_first_step(tmp_path, monkeypatch, capsys,
+                                                                              optimizer, holds):
     from collections import namedtuple
 
     from fivefold.train import checkpoint_space
 
-    cfg = tiny_config({"train": {"steps": 1}, "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1}})
+    cfg = tiny_config({"train": {"steps": 1, "optimizer": optimizer},
+                       "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1}})
     needed = checkpoint_space.checkpoint_bytes(cfg)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(checkpoint_space.shutil, "disk_usage", lambda path: usage(0, 0, needed - 1))
     train(cfg)
     warning = (f"warning: checkpoint folder {tmp_path / 'ckpt'} has {(needed - 1) / 1e9:.2f} GB free on its disk, "
-               f"but one checkpoint of this model takes about {needed / 1e9:.2f} GB (12 bytes per parameter); the "
-               "first save will fail there: free space or set checkpoint.dir to a larger disk")
+               f"but one checkpoint of this model takes about {needed / 1e9:.2f} GB ({holds}); the first save will "
+               "fail there: free space or set checkpoint.dir to a larger disk")
     assert capsys.readouterr().err.splitlines().count(warning) == 1
-    # The estimate is the checkpoint's real size: its tensor files hold the parameters and moments, plus
-    # DCP's header of ~1.6 kB per tensor, 9% of this tiny model's checkpoint (measured), nothing at 1B+.
+    # The estimate is the checkpoint's real size under either optimizer: its tensor files hold the
+    # parameters and their state, plus DCP's header of ~1.6 kB per tensor, 9% of this tiny model's
+    # AdamW checkpoint (measured), nothing at 1B+.
     written = sum(p.stat().st_size for p in (tmp_path / "ckpt" / "step_00000001").glob("*.distcp"))
     assert needed <= written < 1.15 * needed, (needed, written)
     monkeypatch.setattr(checkpoint_space.shutil, "disk_usage", lambda path: usage(0, 0, needed))
