@@ -8,6 +8,7 @@ OSError inside it is the storage's answer, whichever rank met it.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -15,6 +16,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fivefold.config.file_errors import FileProblem, os_problem
 
 LATEST = "latest"  # the same name as checkpoint.LATEST (checkpoint.py imports this module)
+
+
+# torch.save's zip writer, which writes DCP's tensor files, says that the storage took only part of a
+# file (a full disk, a quota, the file-size limit) as a RuntimeError about positions, not the OS's error.
+_CUT_SHORT = ("unexpected pos", "PytorchStreamWriter failed writing file")
 
 
 def storage_error(err: BaseException) -> OSError | None:
@@ -27,7 +33,21 @@ def storage_error(err: BaseException) -> OSError | None:
             inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exc", failure)
             if isinstance(inner, OSError):
                 return inner
+            if isinstance(inner, RuntimeError) and any(words in str(inner) for words in _CUT_SHORT):
+                return _cut_short()
     return None
+
+
+def _cut_short() -> OSError:
+    """The OS's likely answer to a write that stopped part-way: the file-size limit when this process
+    has one (ulimit -f), else a full disk or quota, said as such (the errno itself is lost)."""
+    try:
+        import resource
+    except ImportError:  # not on every platform
+        resource = None
+    if resource is not None and resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return OSError(errno.EFBIG, "File too large")
+    return OSError(0, "the storage took only part of a file (a full disk or quota, most often)")
 
 
 def previous_checkpoint(root: Path) -> str:
