@@ -27,13 +27,17 @@ def _muon(model=None, dtype="fp32", **parallel) -> dict:
 
 LAYOUTS = {"dp2 zero0": _muon(dp=2, zero=0), "dp2 zero1": _muon(dp=2, zero=1),
            "dp2 zero2": _muon(dp=2, zero=2), "dp2 zero1 bf16": _muon(dtype="bf16", dp=2, zero=1),
-           "moe dp2 zero2": _muon(MOE, dp=2, zero=2)}
+           "moe dp2 zero2": _muon(MOE, dp=2, zero=2),
+           # DTensor matrices (parallel/muon_dtensor.py): tp's column and row shards, FSDP2's rows.
+           "tp2": _muon(tp=2), "moe tp2": _muon(MOE, tp=2), "dp2 zero3": _muon(dp=2, zero=3),
+           "dp2 zero3 bf16": _muon(dtype="bf16", dp=2, zero=3)}
+SPREAD = {"zero1": _muon(dp=2, zero=1), "tp2": _muon(tp=2), "zero3": _muon(dp=2, zero=3)}
 
 
-# Resume: "dp2 zero1" saves at step 2 of 4; the same layout, zero 0 and zero 2 on 2 ranks and
-# one process (test_resume_on_one_process) continue from it.
+# Resume: "dp2 zero1" saves at step 2 of 4; the same layout, zero 0, 2 and 3, tp2 and one process
+# (test_resume_on_one_process) continue from it.
 SAVED = "dp2 zero1"
-RESUMES = {"dp2 zero1": LAYOUTS["dp2 zero1"], "dp2 zero2": LAYOUTS["dp2 zero2"], "dp2 zero0": LAYOUTS["dp2 zero0"]}
+RESUMES = {label: LAYOUTS[label] for label in ("dp2 zero1", "dp2 zero2", "dp2 zero0", "dp2 zero3", "tp2")}
 
 
 def _checkpointed(layout: dict, **keys) -> dict:
@@ -43,7 +47,7 @@ def _checkpointed(layout: dict, **keys) -> dict:
 def two_ranks(root: str) -> dict:
     out = {label: run_layout(_checkpointed(layout, dir=root, every=2) if label == SAVED else layout)
            for label, layout in LAYOUTS.items()}
-    out["shares"] = _shares(_muon(dp=2, zero=1))
+    out["shares"] = {label: _shares(layout) for label, layout in SPREAD.items()}
     for label, layout in RESUMES.items():
         out[f"resumed {label}"] = run_layout(_checkpointed(layout, resume=f"{root}/step_00000002"))
     for label in SHORT:
@@ -58,7 +62,7 @@ def two_ranks(root: str) -> dict:
 # one rank's chunk zeroed after the gather: the bf16 and MoE layouts pass). After one step the
 # bound is 4.1e-4 (5.1e-4 with MoE), the layouts differ by 8.3e-5 (1.0e-4), and that broken
 # gather by 2.3e-3 (2.1e-3): it fails.
-SHORT = ("dp2 zero1", "moe dp2 zero2")
+SHORT = ("dp2 zero1", "moe dp2 zero2", "tp2", "dp2 zero3")
 
 
 def _short(layout: dict) -> dict:
@@ -99,11 +103,12 @@ def test_one_step_matches_the_single_process_tightly(runs, label):
         assert_same_run(results[f"short {label}"], want, label=f"muon 1 step {label} rank {rank}")
 
 
-def test_matrices_are_spread_evenly_over_the_ranks(runs):
+@pytest.mark.parametrize("label", list(SPREAD))
+def test_matrices_are_spread_evenly_over_the_ranks(runs, label):
     """Each matrix is orthogonalised on one rank; the Newton–Schulz flops split within 20%."""
-    shares = runs[0]["shares"]
+    shares = runs[0]["shares"][label]
     assert len(shares) == 2 and min(shares) >= 0.8 * max(shares), shares
-    assert runs[1]["shares"] == shares
+    assert runs[1]["shares"][label] == shares
 
 
 def test_muon_trains_differently_from_adamw():
@@ -159,13 +164,16 @@ def test_a_step_equals_torch_muon_and_adamw(model):
     assert worst <= 1e-6, worst
 
 
-@pytest.mark.parametrize("parallel,named", [({"tp": 2}, "parallel.tp=2"), ({"dp": 2, "zero": 3}, "parallel.zero=3"),
-                                            ({"pp": 2}, "parallel.pp=2"), ({"cp": 2}, "parallel.cp=2")])
-def test_a_layout_muon_does_not_reach_is_refused(parallel, named):
+@pytest.mark.parametrize("parallel,dtype,named", [
+    ({"tp": 2, "dp": 2}, "fp32", "parallel.tp=2 with parallel.dp=2"), ({"tp": 2}, "bf16", "parallel.tp=2 under"),
+    ({"dp": 4, "dp_shard": 2, "zero": 3}, "fp32", "parallel.dp_shard=2"), ({"pp": 2}, "fp32", "parallel.pp=2"),
+    ({"cp": 2}, "fp32", "parallel.cp=2")])
+def test_a_layout_muon_does_not_reach_is_refused(parallel, dtype, named):
     from fivefold.config import validate
 
+    cfg = tiny_config({"parallel": parallel, "train": {"optimizer": "muon", "micro_batch": 1, "dtype": dtype}})
     with pytest.raises(ConfigError) as err:
-        validate(tiny_config({"parallel": parallel, "train": {"optimizer": "muon", "micro_batch": 1}}), world_size=2)
+        validate(cfg, world_size=cfg.parallel.tp * cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp)
     assert str(err.value).startswith(f"train.optimizer = muon does not run on {named}")
     assert "use train.optimizer = adamw" in str(err.value)
 

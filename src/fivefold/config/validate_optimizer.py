@@ -6,19 +6,20 @@ from __future__ import annotations
 from fivefold.config.errors import ConfigError
 
 
-def muon_unsupported(p) -> str | None:
-    """What of the layout `p` (the [parallel] section) Muon does not reach yet, or None.
-    Reached: data parallelism with ZeRO 0/1/2 (parallel/data/muon_step.py), fp32 or bf16."""
-    if p.tp > 1:
-        return f"parallel.tp={p.tp} (tensor-parallel matrices)"
+def muon_unsupported(p, dtype: str = "fp32") -> str | None:
+    """What of the layout `p` (the [parallel] section; `dtype`: train.dtype) Muon does not reach
+    yet, or None. Reached: data parallelism with ZeRO 0/1/2 (parallel/data/muon_step.py), fp32 or
+    bf16; ZeRO 3 (FSDP2) over dp; tp alone in fp32 (parallel/muon_dtensor.py)."""
+    if p.tp > 1 and p.dp > 1:
+        return f"parallel.tp={p.tp} with parallel.dp={p.dp} (tensor-parallel matrices in data-parallel buckets)"
+    if p.tp > 1 and dtype != "fp32":
+        return f"parallel.tp={p.tp} under train.dtype = {dtype} (tensor-parallel matrices in fp32 master buckets)"
     if p.pp > 1:
         return f"parallel.pp={p.pp}"
     if p.cp > 1:
         return f"parallel.cp={p.cp}"
     if p.ep > 1:
         return f"parallel.ep={p.ep}"
-    if p.zero == 3 and p.dp > 1:
-        return "parallel.zero=3 (FSDP2 shards)"
     if p.dp_shard and p.dp_shard < p.dp:
         return f"parallel.dp_shard={p.dp_shard} (HSDP)"
     return None
@@ -32,11 +33,11 @@ def check_optimizer(cfg) -> None:
     muon = t.optimizer == "muon" or any(v == "muon" for g in groups for _, v in g.keys)
     if not muon:
         return
-    missing = muon_unsupported(cfg.parallel)
+    missing = muon_unsupported(cfg.parallel, t.dtype)
     if missing:
         raise ConfigError(f"train.optimizer = muon does not run on {missing} yet, only on data parallelism "
-                          "with parallel.zero 0, 1 or 2; use train.optimizer = adamw for this layout, or "
-                          "train Muon with dp and zero 0/1/2")
+                          "(parallel.zero 0 to 3) or on tp alone in fp32; use train.optimizer = adamw for this "
+                          "layout, or train Muon on one of those")
     from fivefold.models import build_meta_model
 
     settings_by_name(t, build_meta_model(cfg.model))  # one sentence if a group gives Muon a vector

@@ -11,48 +11,21 @@ optimizer flat chunks whose matrices must be gathered first. So this class keeps
 momentum and lr arithmetic line for line and calls torch's functions for the rest; a test holds it
 to torch.optim.Muon within 1e-6 (tests/test_muon.py).
 
-Where the whole matrices are is the layout's business (`layout`, parallel/data/muon_step.py):
-`matrices(tensor)` lists (start, end, shape) of the matrices inside the flat tensor, and
-`orthogonalize(tensor, update)` returns the flat orthogonalised update (a collective where the
-matrices are sharded). Without a layout each tensor holds whole matrices.
+Where the whole matrices are is the layout's business (`layout`: parallel/data/muon_step.py for
+ZeRO's chunks, parallel/muon_dtensor.py for tensor-parallel and FSDP2 shards):
+`matrices(tensor)` lists (start, end, shape) of the matrices inside this rank's flat piece of the
+tensor, with their whole shapes, and `orthogonalize(tensor, update)` returns this rank's flat piece
+of the orthogonalised update (a collective where the matrices are sharded). Without a layout each
+tensor holds whole matrices (parallel/muon_matrices.py).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
+from torch.optim._muon import _adjust_lr
 
-NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
-
-
-def whole_matrices(shape: tuple[int, ...]) -> list[tuple[int, int, tuple[int, int]]]:
-    """(start, end, shape) of each matrix of a row-major tensor: itself if 2-D, each [i] of a
-    stack of matrices (experts: [n_experts, rows, cols])."""
-    rows, cols = shape[-2:]
-    size = rows * cols
-    return [(i * size, (i + 1) * size, (rows, cols)) for i in range(math.prod(shape[:-2]))]
-
-
-def newton_schulz(update: torch.Tensor) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalisation of one 2-D matrix (its own function, its defaults)."""
-    from torch.optim._muon import _zeropower_via_newtonschulz
-
-    return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, DEFAULT_NS_STEPS, EPS)
-
-
-class WholeTensors:
-    """Every tensor holds whole matrices on this rank: orthogonalise each here."""
-
-    def matrices(self, tensor: torch.Tensor):
-        return whole_matrices(tuple(tensor.shape))
-
-    def orthogonalize(self, tensor: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        flat, out = update.reshape(-1), torch.empty(update.numel(), dtype=update.dtype, device=update.device)
-        for start, end, shape in self.matrices(tensor):
-            out[start:end] = newton_schulz(flat[start:end].view(shape)).reshape(-1)
-        return out
+from fivefold.parallel.grad_norm import local_tensor
+from fivefold.parallel.muon_matrices import WholeTensors
 
 
 class Muon(torch.optim.Optimizer):
@@ -83,7 +56,7 @@ class Muon(torch.optim.Optimizer):
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 orthogonal = self.layout.orthogonalize(param, update)
                 param.mul_(1 - lr * decay)
-                flat = param.view(-1)
+                flat = local_tensor(param).view(-1)  # a DTensor's shard: `orthogonal` is this rank's piece
                 for start, end, shape in self.layout.matrices(param):
                     flat[start:end].add_(orthogonal[start:end], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
         return None

@@ -136,8 +136,11 @@ class DataParallel:
         return make_optimizer(self.params)
 
     def muon_layout(self):
-        """How Muon finds whole matrices in the tensors this rank updates; None: each holds its own."""
-        return None
+        """How Muon finds whole matrices in the tensors this rank updates: DTensors (tensor
+        parallel, FSDP2) are gathered to an owner (parallel/muon_dtensor.py); plain tensors hold their own."""
+        from fivefold.parallel.muon_dtensor import DTensorMatrices
+
+        return DTensorMatrices([p for p in self.params if getattr(self.settings_of(p), "optimizer", "") == "muon"])
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()

@@ -19,16 +19,10 @@ import torch
 import torch.distributed as dist
 
 from fivefold.parallel.grad_norm import local_tensor
-from fivefold.train.muon import newton_schulz, whole_matrices
+from fivefold.parallel.muon_matrices import newton_schulz, ns_flops, whole_matrices
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def ns_flops(shape: tuple[int, int]) -> int:
-    """Newton–Schulz flops of one matrix: 5 steps of three products of the small side's Gram."""
-    small, large = sorted(shape)
-    return 5 * (2 * small * small * large + 2 * small ** 3 + 2 * small * small * large)
 
 
 class ChunkMatrices:
