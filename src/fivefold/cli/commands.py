@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from fivefold.cli import help_text as cli_help
@@ -309,6 +310,11 @@ def cmd_prepare(args: list[str]) -> int:
 def cmd_generate(args: list[str]) -> int:
     """A sample from a trained checkpoint: the prompt and its continuation."""
     a = _generate_parser().parse_args(args)
+    if a.tokenizer not in ("", "byte") and os.path.isfile(a.tokenizer):
+        # A damaged --tokenizer is said before torch and the model load (minutes, for a large model).
+        from fivefold.config.tokenizer_file import read_tokenizer
+
+        read_tokenizer(a.tokenizer, "--tokenizer")
     from fivefold.tools.generate import generate
 
     text, _ = generate(a.checkpoint, a.prompt, a.tokens, a.temperature, a.seed, a.tokenizer, a.chat, a.system,
