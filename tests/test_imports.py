@@ -31,6 +31,11 @@ UPWARD = {
     ("fivefold.config.load", "fivefold.models.hf_stream"),
     # `fivefold --version`: the version is written once, in the package's __init__ (pyproject reads it there).
     ("fivefold.cli.help_text", "fivefold"),
+    # train.optimizer = muon: which parameters Muon gets, and whether a group gives it a vector,
+    # depends on each parameter's kind and shape, which only the model's classes say (a meta-device
+    # model; validation builds it only for a config that asks for Muon).
+    ("fivefold.config.param_groups", "fivefold.models.param_kinds"),
+    ("fivefold.config.validate_optimizer", "fivefold.models"),
 }
 
 

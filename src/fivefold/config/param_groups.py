@@ -18,6 +18,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+# The parameter kinds a selector names (models/param_kinds.py says which parameter has which):
+# declared here, with the key, so that checking a config needs no model code (and no torch).
+KINDS = ("embedding", "output", "norm", "bias", "router", "attention", "mlp", "experts", "other")
 DEFAULT = "norm|bias|embedding:weight_decay=0"
 OPTIMIZERS = ("adamw", "muon")
 _KEYS = ("lr_scale", "weight_decay", "optimizer")
@@ -52,8 +55,6 @@ def _refuse(text: str, problem: str):
 
 def parse(text: str) -> list[Group]:
     """The groups of a train.param_groups value; one sentence naming the fault if it is malformed."""
-    from fivefold.models.param_kinds import KINDS
-
     groups = []
     for raw in (g.strip() for g in text.split(";")):
         if not raw:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from torch import nn
 
-KINDS = ("embedding", "output", "norm", "bias", "router", "attention", "mlp", "experts", "other")
 # Kinds whose parameters are the weight matrices inside the blocks (what Muon orthogonalises).
 BLOCK_MATRIX_KINDS = ("attention", "mlp", "experts", "router")
 
