@@ -14,7 +14,8 @@ import dataclasses
 from fivefold.config.checks import check_fields
 from fivefold.config.errors import ConfigError, require as _require
 from fivefold.config.families import FAMILIES
-from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, parse_layer_counts
+from fivefold.config.pipeline_rules import micro_batch_problem, pipeline_problem
+from fivefold.config.schedules import SPLIT_BACKWARD_SCHEDULES
 from fivefold.config.schema import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ParallelConfig, micro_batches  # noqa: F401
 from fivefold.config.validate_data import check_data
 from fivefold.config.validate_optimizer import check_optimizer
@@ -210,65 +211,20 @@ def _check_experts(cfg: Config, world_size: int | None) -> None:
 
 
 def _check_pipeline(cfg: Config) -> None:
-    """Stages, virtual stages, the layer split and what each schedule needs (torch.distributed.
-    pipelining's own requirements, said in our terms before any process starts)."""
+    """Stages, virtual stages, the layer split and what each schedule needs (config/pipeline_rules.py,
+    which the planner's search reads too), said before any process starts."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    name, v = p.pp_schedule, p.pp_virtual
-    if p.pp == 1:
-        return  # no pipeline: its keys are ignored, and reported so (ignored_options)
-    if name in SINGLE_STAGE_SCHEDULES:
-        _require(v == 1, f"parallel.pp_schedule='{name}' runs one stage per rank, so parallel.pp_virtual "
-                 f"must be 1, got {v}; use 'interleaved_1f1b' or 'zb' for virtual stages")
-    elif name in V_SCHEDULES:
-        _require(v == 2, f"parallel.pp_schedule='{name}' runs two stages per rank in a V, so "
-                 f"parallel.pp_virtual must be 2, got {v}")
-        # torch 2.13's V schedules run backward actions in their forward-only eval() too.
-        _require(not t.eval_every, f"train.eval_every={t.eval_every} cannot evaluate under "
-                 f"parallel.pp_schedule='{name}' (torch's V schedules have no forward-only run); use "
-                 "'zb', '1f1b' or 'interleaved_1f1b', or set train.eval_every = 0")
-    else:
-        _require(v >= 2, f"parallel.pp_schedule='{name}' interleaves virtual stages: set "
-                 f"parallel.pp_virtual >= 2 (got {v}), or use '1f1b'")
-    # The weight pass backwards through each block a second time, which torch's selective
-    # activation checkpointing refuses ("backward an extra time") inside the step.
-    _require(not (name in SPLIT_BACKWARD_SCHEDULES and t.recompute == "selective"),
-             f"parallel.pp_schedule='{name}' splits each backward into an input and a weight pass, which "
-             "PyTorch's selective recomputation cannot run twice over one block; use train.recompute = "
-             "'full' or 'none' with it, or pp_schedule '1f1b' or 'interleaved_1f1b' with 'selective'")
-    # The last stage then reads the one matrix three times (output layer, MTP embedding and head),
-    # and torch's weight pass fails on it ("backward through the graph a second time").
-    _require(not (name in SPLIT_BACKWARD_SCHEDULES and m.mtp_depth and m.tie_embeddings),
-             f"parallel.pp_schedule='{name}' cannot run multi-token prediction (model.mtp_depth={m.mtp_depth}) "
-             "with tied embeddings: PyTorch's split weight pass fails on the matrix the last stage reads "
-             "three times; set model.tie_embeddings = false, or use pp_schedule '1f1b' or 'interleaved_1f1b'")
-    n_stages = p.pp * v
-    _require(n_stages <= m.n_layers, f"parallel.pp*pp_virtual = {n_stages} stages exceed model.n_layers="
-             f"{m.n_layers}; every stage needs at least one layer")
-    if p.pp_layers:
-        try:
-            counts = parse_layer_counts(p.pp_layers)
-        except ValueError:
-            raise ConfigError(f"parallel.pp_layers='{p.pp_layers}' must be comma-separated layer counts, "
-                              "e.g. '3,5'") from None
-        _require(len(counts) == n_stages, f"parallel.pp_layers='{p.pp_layers}' has {len(counts)} entries "
-                 f"but there are parallel.pp*pp_virtual = {n_stages} stages")
-        _require(sum(counts) == m.n_layers, f"parallel.pp_layers='{p.pp_layers}' adds up to {sum(counts)} "
-                 f"layers but model.n_layers={m.n_layers}")
-        _require(min(counts) >= 1, f"parallel.pp_layers='{p.pp_layers}' gives a stage no layer; every "
-                 "stage needs at least one")
-    if not p.dp or t.global_batch % p.dp or (t.micro_batch and (t.global_batch // p.dp) % t.micro_batch):
+    problem = pipeline_problem(p.pp, p.pp_virtual, p.pp_schedule, m.n_layers, p.pp_layers, t.recompute,
+                               t.eval_every, m.mtp_depth, m.tie_embeddings)
+    if problem:
+        raise ConfigError(problem)
+    if p.pp == 1 or not p.dp or t.global_batch % p.dp or (t.micro_batch and (t.global_batch // p.dp) % t.micro_batch):
         return  # the batch arithmetic check below names that problem (dp = 0: once resolved)
-    n_micro = micro_batches(cfg)
     fix = (f"lower train.micro_batch (now {t.micro_batch or t.global_batch // p.dp} sequences) or raise "
            "train.global_batch")
-    if name in ("1f1b", "dualpipev"):
-        _require(n_micro >= n_stages, f"parallel.pp_schedule='{name}' needs at least as many micro-batches "
-                 f"as stages ({n_stages}) but a step has {n_micro}; {fix}")
-    if name in ("interleaved_1f1b", "zb"):
-        rounds = max(1, n_micro // p.pp)
-        _require(n_micro % rounds == 0, f"parallel.pp_schedule='{name}' runs micro-batches in rounds of "
-                 f"parallel.pp={p.pp}: {n_micro} micro-batches per step must be fewer than pp or a "
-                 f"multiple of pp; {fix}")
+    problem = micro_batch_problem(p.pp, p.pp_virtual, p.pp_schedule, micro_batches(cfg), fix)
+    if problem:
+        raise ConfigError(problem)
 
 
 def ignored_options(p) -> dict[str, str]:

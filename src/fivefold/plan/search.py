@@ -15,11 +15,12 @@ import math
 from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError
+from fivefold.config.pipeline_rules import micro_batch_problem, pipeline_problem
 from fivefold.plan.estimate import Estimate, estimate
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout, config_with_layout
 from fivefold.plan.memory import worst_rank_memory
-from fivefold.plan.schedule import END_RELIEFS, chunks_per_rank, end_relieved_splits, parse_pp_layers
+from fivefold.plan.schedule import END_RELIEFS, end_relieved_splits
 from fivefold.plan.workload import Workload
 from fivefold.config.validate import ignored_options, validate
 
@@ -58,36 +59,20 @@ def layout_problem(cfg: Config, workload: Workload, layout: Layout, world: int |
             validate(config_with_layout(cfg, layout), world)
         except ConfigError as err:
             return str(err)
-    p, v = layout.pp, chunks_per_rank(layout)
-    m = layout.micro_batches(workload.global_batch)
-    if layout.split_backward and layout.recompute == "selective":  # fivefold.config.validate's rule
-        return (f"pp_schedule={layout.pp_schedule} splits each backward in two, which selective "
-                "recomputation cannot run; use recompute=full or none with it")
-    stats = workload.stats
-    if layout.split_backward and stats.mtp_depth and stats.tie_embeddings:  # fivefold.config.validate's rule
-        return (f"pp_schedule={layout.pp_schedule} cannot run multi-token prediction with tied embeddings "
-                "(PyTorch's split weight pass); use 1f1b or interleaved_1f1b")
-    if layout.pp_layers:
-        try:
-            parse_pp_layers(layout.pp_layers, p * v, workload.stats.n_layers)
-        except ValueError as err:
-            return f"parallel.{err}"
     if layout.mbs * layout.dp > workload.global_batch:
         return (f"mbs={layout.mbs} x dp={layout.dp} exceeds train.global_batch="
                 f"{workload.global_batch}; lower mbs or dp")
     if layout.tp > 1 and layout.sp and workload.seq_len % (layout.tp * layout.cp):
         return (f"train.seq_len={workload.seq_len} is not divisible by tp*cp="
                 f"{layout.tp * layout.cp}, which sequence parallelism needs")
-    if p > 1 and not layout.pp_layers and p * v > workload.stats.n_layers:
-        return (f"pp={p} with {v} chunk(s) per rank needs {p * v} pipeline chunks but the model has "
-                f"{workload.stats.n_layers} layers; lower parallel.pp")
-    if p > 1 and layout.pp_schedule != "gpipe" and m < p:
-        return (f"pp_schedule={layout.pp_schedule} needs at least pp={p} micro-batches per step, "
-                f"got {m}; lower mbs or dp, or raise train.global_batch")
-    if layout.pp_schedule == "interleaved_1f1b" and p > 1 and m % p:
-        return (f"pp_schedule=interleaved_1f1b needs the micro-batches per step ({m}) to be a "
-                f"multiple of pp={p}")
-    return None
+    # The pipeline's rules are the trainer's own (config/pipeline_rules.py), asked with numbers.
+    stats, train = workload.stats, cfg.train
+    problem = pipeline_problem(layout.pp, layout.pp_virtual, layout.pp_schedule, stats.n_layers,
+                               layout.pp_layers, layout.recompute, train.eval_every, stats.mtp_depth,
+                               stats.tie_embeddings)
+    return problem or micro_batch_problem(layout.pp, layout.pp_virtual, layout.pp_schedule,
+                                          layout.micro_batches(workload.global_batch),
+                                          "lower mbs or dp, or raise train.global_batch")
 
 
 def memory_reason(est_or_memory, limit: float) -> str:
