@@ -129,3 +129,15 @@ def test_latest_names_a_missing_folder_and_nothing_else_is_left(root):
     assert _refused(root, "auto") == (
         f"no whole checkpoint under {root}: {root / 'step_00000009'} ('latest' names it, but it does not exist); "
         "restore one from a copy, or start afresh with checkpoint.resume=none and another checkpoint.dir")
+
+
+def test_a_state_json_cut_short_read_after_the_choice(root):
+    """convert, generate and export read state.json of the folder they were given, without resolve."""
+    step = root / "step_00000002"
+    (step / "state.json").write_text((step / "state.json").read_text()[:30])
+    with pytest.raises(ConfigError) as err:
+        checkpoint.read_state(step)
+    message = str(err.value)
+    assert message.startswith(f"checkpoint file {step / 'state.json'} is not valid JSON (")
+    assert message.endswith("): the checkpoint is damaged; resume from another checkpoint (checkpoint.resume = auto "
+                            "takes the newest whole one)") and "\n" not in message

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fivefold.config import Config, ConfigError, to_toml
 from fivefold.config.file_errors import guarded
 from fivefold.train import checkpoint_manifest, resume_checks, resume_optimizer, sharded_io
-from fivefold.train.load_failures import state_problem, unreadable
+from fivefold.train.load_failures import EARLIER, state_problem, unreadable
 from fivefold.train.save_failures import save_problem, storage_error
 from fivefold.train.faults import restart_count
 
@@ -307,8 +307,8 @@ def read_state(path: Path) -> dict:
     except OSError as err:
         raise state_problem(path, err) from None
     except json.JSONDecodeError as err:
-        raise ConfigError(f"checkpoint file {path / 'state.json'} is unreadable ({err}); the checkpoint "
-                          "is corrupt") from None
+        raise ConfigError(f"checkpoint file {path / 'state.json'} is not valid JSON ({err}): the checkpoint "
+                          f"is damaged; {EARLIER.removeprefix('or ')}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"checkpoint {path} has format {state.get('format') if isinstance(state, dict) else '?'}, "
                           f"this fivefold reads format {FORMAT}")
