@@ -2,9 +2,9 @@
 matrices inside the blocks (each expert's matrix on its own) plus AdamW on the rest; every layout
 Muon reaches equals the single process; the layouts it does not reach are refused at validation.
 
-One 2-rank spawn runs every layout (zero 0/1/2 in fp32, zero 1 in bf16, an MoE at zero 2) and the
-resumes of a Muon checkpoint (same layout bit for bit, other zero stages and one process within the
-layout tolerances)."""
+One 2-rank spawn runs every layout (zero 0/1/2/3 in fp32, zero 1 and 3 in bf16, tp2, MoEs at zero 2,
+tp2 and ep2), one-step checks tight enough to catch a lost piece of a gathered matrix, and the
+resumes of Muon checkpoints (same layout bit for bit, other layouts within the layout tolerances)."""
 
 import copy
 import dataclasses
@@ -30,14 +30,18 @@ LAYOUTS = {"dp2 zero0": _muon(dp=2, zero=0), "dp2 zero1": _muon(dp=2, zero=1),
            "moe dp2 zero2": _muon(MOE, dp=2, zero=2),
            # DTensor matrices (parallel/muon_dtensor.py): tp's column and row shards, FSDP2's rows.
            "tp2": _muon(tp=2), "moe tp2": _muon(MOE, tp=2), "dp2 zero3": _muon(dp=2, zero=3),
-           "dp2 zero3 bf16": _muon(dtype="bf16", dp=2, zero=3)}
+           "dp2 zero3 bf16": _muon(dtype="bf16", dp=2, zero=3),
+           # ep borrowing dp: each rank holds two whole experts.
+           "moe dp2 ep2 zero1": _muon(MOE, dp=2, ep=2, zero=1), "moe dp2 ep2 zero3": _muon(MOE, dp=2, ep=2, zero=3),
+           "moe dp2 ep2 zero2 bf16": _muon(MOE, dtype="bf16", dp=2, ep=2, zero=2)}
 SPREAD = {"zero1": _muon(dp=2, zero=1), "tp2": _muon(tp=2), "zero3": _muon(dp=2, zero=3)}
 
 
 # Resume: "dp2 zero1" saves at step 2 of 4; the same layout, zero 0, 2 and 3, tp2 and one process
-# (test_resume_on_one_process) continue from it.
+# (test_resume_on_one_process) continue from it; "moe dp2 zero2" saves too, and ep2 continues it.
 SAVED = "dp2 zero1"
 RESUMES = {label: LAYOUTS[label] for label in ("dp2 zero1", "dp2 zero2", "dp2 zero0", "dp2 zero3", "tp2")}
+MOE_SAVED, MOE_RESUME = "moe dp2 zero2", "moe dp2 ep2 zero1"  # experts' momentum into ep's whole experts
 
 
 def _checkpointed(layout: dict, **keys) -> dict:
@@ -45,11 +49,13 @@ def _checkpointed(layout: dict, **keys) -> dict:
 
 
 def two_ranks(root: str) -> dict:
-    out = {label: run_layout(_checkpointed(layout, dir=root, every=2) if label == SAVED else layout)
+    saving = {SAVED: root, MOE_SAVED: f"{root}/moe"}
+    out = {label: run_layout(_checkpointed(layout, dir=saving[label], every=2) if label in saving else layout)
            for label, layout in LAYOUTS.items()}
     out["shares"] = {label: _shares(layout) for label, layout in SPREAD.items()}
     for label, layout in RESUMES.items():
         out[f"resumed {label}"] = run_layout(_checkpointed(layout, resume=f"{root}/step_00000002"))
+    out[f"resumed {MOE_RESUME}"] = run_layout(_checkpointed(LAYOUTS[MOE_RESUME], resume=f"{root}/moe/step_00000002"))
     for label in SHORT:
         out[f"short {label}"] = run_layout(_short(LAYOUTS[label]))
     return out
@@ -62,7 +68,7 @@ def two_ranks(root: str) -> dict:
 # one rank's chunk zeroed after the gather: the bf16 and MoE layouts pass). After one step the
 # bound is 4.1e-4 (5.1e-4 with MoE), the layouts differ by 8.3e-5 (1.0e-4), and that broken
 # gather by 2.3e-3 (2.1e-3): it fails.
-SHORT = ("dp2 zero1", "moe dp2 zero2", "tp2", "dp2 zero3")
+SHORT = ("dp2 zero1", "moe dp2 zero2", "tp2", "dp2 zero3", "moe dp2 ep2 zero1", "moe dp2 ep2 zero3")
 
 
 def _short(layout: dict) -> dict:
@@ -167,11 +173,12 @@ def test_a_step_equals_torch_muon_and_adamw(model):
 @pytest.mark.parametrize("parallel,dtype,named", [
     ({"tp": 2, "dp": 2}, "fp32", "parallel.tp=2 with parallel.dp=2"), ({"tp": 2}, "bf16", "parallel.tp=2 under"),
     ({"dp": 4, "dp_shard": 2, "zero": 3}, "fp32", "parallel.dp_shard=2"), ({"pp": 2}, "fp32", "parallel.pp=2"),
-    ({"cp": 2}, "fp32", "parallel.cp=2")])
+    ({"cp": 2}, "fp32", "parallel.cp=2"), ({"tp": 2, "ep": 2}, "fp32", "parallel.ep=2 with parallel.tp=2")])
 def test_a_layout_muon_does_not_reach_is_refused(parallel, dtype, named):
     from fivefold.config import validate
 
-    cfg = tiny_config({"parallel": parallel, "train": {"optimizer": "muon", "micro_batch": 1, "dtype": dtype}})
+    cfg = tiny_config({"model": MOE if "ep" in parallel else {}, "parallel": parallel,
+                       "train": {"optimizer": "muon", "micro_batch": 1, "dtype": dtype}})
     with pytest.raises(ConfigError) as err:
         validate(cfg, world_size=cfg.parallel.tp * cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.cp)
     assert str(err.value).startswith(f"train.optimizer = muon does not run on {named}")
@@ -200,6 +207,12 @@ def test_resume_under_another_zero_stage(runs, label):
     want = _continued(reference(LAYOUTS[SAVED]), 2)
     for rank, results in enumerate(runs):
         assert_same_run(results[f"resumed {label}"], want, label=f"muon resumed under {label} rank {rank}")
+
+
+def test_moe_resume_under_expert_parallelism(runs):
+    want = _continued(reference(LAYOUTS[MOE_SAVED]), 2)
+    for rank, results in enumerate(runs):
+        assert_same_run(results[f"resumed {MOE_RESUME}"], want, label=f"muon moe resumed under ep2 rank {rank}")
 
 
 def test_resume_on_one_process(runs, root):

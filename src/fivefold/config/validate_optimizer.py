@@ -9,7 +9,8 @@ from fivefold.config.errors import ConfigError
 def muon_unsupported(p, dtype: str = "fp32") -> str | None:
     """What of the layout `p` (the [parallel] section; `dtype`: train.dtype) Muon does not reach
     yet, or None. Reached: data parallelism with ZeRO 0/1/2 (parallel/data/muon_step.py), fp32 or
-    bf16; ZeRO 3 (FSDP2) over dp; tp alone in fp32 (parallel/muon_dtensor.py)."""
+    bf16; ZeRO 3 (FSDP2) over dp; tp alone in fp32 (parallel/muon_dtensor.py); ep over dp (whole
+    experts on each rank)."""
     if p.tp > 1 and p.dp > 1:
         return f"parallel.tp={p.tp} with parallel.dp={p.dp} (tensor-parallel matrices in data-parallel buckets)"
     if p.tp > 1 and dtype != "fp32":
@@ -18,8 +19,8 @@ def muon_unsupported(p, dtype: str = "fp32") -> str | None:
         return f"parallel.pp={p.pp}"
     if p.cp > 1:
         return f"parallel.cp={p.cp}"
-    if p.ep > 1:
-        return f"parallel.ep={p.ep}"
+    if p.ep > 1 and p.tp > 1:
+        return f"parallel.ep={p.ep} with parallel.tp={p.tp} (experts on tensor-parallel ranks)"
     if p.dp_shard and p.dp_shard < p.dp:
         return f"parallel.dp_shard={p.dp_shard} (HSDP)"
     return None
@@ -36,7 +37,7 @@ def check_optimizer(cfg) -> None:
     missing = muon_unsupported(cfg.parallel, t.dtype)
     if missing:
         raise ConfigError(f"train.optimizer = muon does not run on {missing} yet, only on data parallelism "
-                          "(parallel.zero 0 to 3) or on tp alone in fp32; use train.optimizer = adamw for this "
+                          "(parallel.zero 0 to 3, with ep) or on tp alone in fp32; use train.optimizer = adamw for this "
                           "layout, or train Muon on one of those")
     from fivefold.models import build_meta_model
 
