@@ -75,14 +75,16 @@ def _short(layout: dict) -> dict:
     return {**layout, "train": {**layout["train"], "steps": 1}}
 
 
-def _shares(layout) -> list[int]:
+def _shares(layout) -> tuple[list[int], str]:
+    """Each rank's Newton–Schulz flops, and the run log's line that says them."""
     from fivefold.train.trainer import setup
 
     from layouts import groups_released
 
     with groups_released():
         _, par = setup(tiny_config(layout))
-        return par.muon_layout().shares
+        muon = par.muon_layout()
+        return muon.shares, muon.describe([])
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +114,19 @@ def test_one_step_matches_the_single_process_tightly(runs, label):
 @pytest.mark.parametrize("label", list(SPREAD))
 def test_matrices_are_spread_evenly_over_the_ranks(runs, label):
     """Each matrix is orthogonalised on one rank; the Newton–Schulz flops split within 20%."""
-    shares = runs[0]["shares"][label]
+    shares, note = runs[0]["shares"][label]
     assert len(shares) == 2 and min(shares) >= 0.8 * max(shares), shares
-    assert runs[1]["shares"][label] == shares
+    assert runs[1]["shares"][label] == (shares, note)
+    assert note.startswith("muon: each matrix orthogonalised once, on one rank of its")
+    assert f"GFLOP per step by rank: {shares[0] / 1e9:.3g}, {shares[1] / 1e9:.3g} (largest / mean" in note
+
+
+def test_the_log_says_the_muon_work_once(capsys):
+    from fivefold.train.trainer import train
+
+    train(tiny_config({"train": {**TRAIN, "steps": 2}, "log": {"progress": True}}))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("muon:")]
+    assert len(lines) == 1 and "each rank orthogonalises the whole matrices it holds" in lines[0], lines
 
 
 def test_muon_trains_differently_from_adamw():

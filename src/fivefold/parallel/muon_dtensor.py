@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fivefold.parallel.muon_matrices import WholeTensors, ns_flops, whole_matrices
+from fivefold.parallel.muon_matrices import WholeTensors, ns_flops, shares_note, whole_matrices
 
 
 def _mesh_key(mesh) -> tuple:
@@ -43,6 +43,12 @@ class DTensorMatrices(WholeTensors):
             load[owner] += self._flops(param)
             self.owner[id(param)] = owner
         self.shares = [sum(col) for col in zip(*loads.values())] if loads else [0]
+
+    def describe(self, tensors: list[torch.Tensor]) -> str:
+        if not self.owner:
+            return super().describe(tensors)
+        return shares_note("each matrix orthogonalised once, on one rank of its tensor-parallel or FSDP2 "
+                           "mesh (shards gathered)", self.shares)
 
     @staticmethod
     def _flops(param: torch.Tensor) -> int:

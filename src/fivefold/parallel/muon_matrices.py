@@ -31,6 +31,10 @@ def newton_schulz(update: torch.Tensor) -> torch.Tensor:
 class WholeTensors:
     """Every tensor holds whole matrices on this rank: orthogonalise each here."""
 
+    def describe(self, tensors: list[torch.Tensor]) -> str:
+        flops = sum(ns_flops(shape) for t in tensors for _, _, shape in whole_matrices(tuple(t.shape)))
+        return shares_note("each rank orthogonalises the whole matrices it holds (nothing to gather)", [flops])
+
     def matrices(self, tensor: torch.Tensor):
         return whole_matrices(tuple(tensor.shape))
 
@@ -45,3 +49,11 @@ def ns_flops(shape: tuple[int, int]) -> int:
     """Newton–Schulz flops of one matrix: 5 steps of three products of the small side's Gram."""
     small, large = sorted(shape)
     return 5 * (2 * small * small * large + 2 * small ** 3 + 2 * small * small * large)
+
+
+def shares_note(where: str, shares: list[int]) -> str:
+    """The run log's line on Muon's work (said once): each rank's Newton–Schulz share."""
+    mean = sum(shares) / len(shares)
+    spread = f" (largest / mean {max(shares) / mean:.2f})" if len(shares) > 1 and mean else ""
+    return (f"muon: {where}; Newton–Schulz GFLOP per step by rank: "
+            f"{', '.join(f'{s / 1e9:.3g}' for s in shares)}{spread}")

@@ -92,6 +92,14 @@ class Chained(torch.optim.Optimizer):
         return next(o for o in self.optimizers for g in o.param_groups for p in g["params"] if p is tensor)
 
 
+def muon_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors Muon updates (parameters or ZeRO chunks), in its order."""
+    from fivefold.train.muon import Muon
+
+    parts = optimizer.optimizers if isinstance(optimizer, Chained) else [optimizer]
+    return [p for o in parts if isinstance(o, Muon) for g in o.param_groups for p in g["params"]]
+
+
 def state_keys(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> tuple[str, ...]:
     """The state tensors `optimizer` keeps for `tensor` (what checkpoints save)."""
     from fivefold.train.muon import Muon

@@ -28,7 +28,7 @@ from fivefold.train.checkpoint_space import space_warning
 from fivefold.train.data import load_training_data
 from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, cuda_memory, peak_flops
 from fivefold.train.mixture import GlobalBatches
-from fivefold.train.optim import build_optimizer, lr_multiplier, lr_scheduler
+from fivefold.train.optim import build_optimizer, lr_multiplier, lr_scheduler, muon_tensors
 from fivefold.train.prefetch import BatchPrefetcher
 from fivefold.config.validate import ignored_note, validate
 from fivefold.train.supported import check_supported
@@ -118,7 +118,8 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     t = cfg.train
     # `sampler` is the data position checkpoints save; step k's batch depends on (seed, data, k) only.
     sampler, held_out = load_training_data(cfg.data, t.seq_len, cfg.model.vocab_size, t.global_batch, t.seed)
-    optimizer = par.optimizer(lambda params: build_optimizer(params, par.settings_of, t, par.muon_layout()))
+    muon = par.muon_layout()
+    optimizer = par.optimizer(lambda params: build_optimizer(params, par.settings_of, t, muon))
     scheduler = lr_scheduler(optimizer, t)
     n_micro = micro_batches(cfg)
     tokens_per_step = t.global_batch * t.seq_len
@@ -127,6 +128,8 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
                            cfg.log.progress, wandb_run(cfg) if cfg.log.wandb and rt.is_main else None)
     writer.note(par.describe())
+    if muon_tensors(optimizer):  # where each rank's Newton–Schulz work goes, said once
+        writer.note(muon.describe(muon_tensors(optimizer)))
     if t.fp8:  # what runs in FP8 and what does not, said once (parallel/float8.py)
         from fivefold.models.registry import model_spec
         from fivefold.parallel import float8

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.parallel.grad_norm import local_tensor
-from fivefold.parallel.muon_matrices import newton_schulz, ns_flops, whole_matrices
+from fivefold.parallel.muon_matrices import newton_schulz, ns_flops, shares_note, whole_matrices
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -44,6 +44,10 @@ class ChunkMatrices:
             self.owned[id(chunk)] = mine
             self.shares = [a + b for a, b in zip(self.shares, load + [0] * (len(self.shares) - len(load)))]
             bucket.muon_matrices = matrices
+
+    def describe(self, tensors=None) -> str:
+        return shares_note("each matrix orthogonalised once, on one rank of its bucket's data-parallel group "
+                           "(ZeRO chunks gathered)", self.shares)
 
     def matrices(self, chunk: torch.Tensor):
         """The matrices inside this chunk, clipped to it, with their whole shapes (for the lr)."""
