@@ -44,6 +44,11 @@ WEIGHT_ATOL = 1e-5
 #   show: AdamW turns it into up to ~6e-5 on the few weights whose gradients nearly cancel (8 layers,
 #   tests/test_pipeline.py), 3.1e-5 on the 2-layer families on an AVX-512 CPU.
 TP_WEIGHT_ATOL = 1e-4
+# - With cp, ring attention merges blockwise softmaxes inside each step, which the micro-batch split
+#   does not show either. AdamW's update g/(|g| + eps) amplifies it where a weight's only gradient
+#   is near eps: tiny-qwen3 at seed 5, one byte seen once in 6 steps, one embedding element whose
+#   gradient was 2.2e-9 ends 1.8e-4 apart (losses within 1e-7, gradient norms 2e-6).
+CP_WEIGHT_ATOL = 3e-4
 NOISE_MARGIN = 4.0
 
 

@@ -17,7 +17,7 @@ dp2·tp2·pp2·cp2(·ep2) layout of each family is in test_composition.py.)
 
 import pytest
 
-from layouts import LOSS_RTOL, TP_WEIGHT_ATOL, WEIGHT_ATOL, assert_same_run, reference, run_layout
+from layouts import CP_WEIGHT_ATOL, LOSS_RTOL, TP_WEIGHT_ATOL, WEIGHT_ATOL, assert_same_run, reference, run_layout
 from ranks import run_on_ranks
 
 FAMILIES = {
@@ -110,7 +110,9 @@ def test_layout_equals_one_process(two_rank_results, family, name):
     layout = layouts_of(family)[name]
     want = reference({"model": layout["model"], "train": layout["train"]})
     for rank, results in enumerate(two_rank_results):
-        atol = TP_WEIGHT_ATOL if layout["parallel"].get("tp", 1) > 1 else WEIGHT_ATOL
+        parallel = layout["parallel"]
+        atol = (TP_WEIGHT_ATOL if parallel.get("tp", 1) > 1 else
+                CP_WEIGHT_ATOL if parallel.get("cp", 1) > 1 else WEIGHT_ATOL)
         assert_same_run(results["runs"][(family, name)], want, weight_atol=atol, label=f"{family} {name} rank {rank}")
 
 
