@@ -64,6 +64,23 @@ def rank_param_counts(stats: ModelStats, layout: Layout, prank: PipelineRank) ->
     return dense + root_params(stats, layout, prank), experts
 
 
+def muon_param_counts(stats: ModelStats, layout: Layout, prank: PipelineRank) -> tuple[float, float]:
+    """(dense, expert) parameters of this rank that Muon updates under train.optimizer = muon with
+    the default groups: the blocks' matrices, not their norms (nor multi-token prediction's eh_proj
+    and norms, nor the embedding, output and final norm). Biases, attention sinks and latent
+    attention's two norms are counted with the matrices (a few thousand elements a layer);
+    train.param_groups moving a kind to AdamW is not followed."""
+    dense = experts = 0.0
+    for layer, count in prank.kinds:
+        d, e = layer_param_counts(stats, layout, layer)
+        vectors = stats.norm_params + (2 * stats.head_dim / layout.tp if stats.qk_norm else 0)
+        if layer >= stats.n_layers:
+            vectors += 2 * stats.dim * stats.dim + 3 * stats.dim
+        dense += count * (d - vectors)
+        experts += count * e
+    return dense, experts
+
+
 def root_params(stats: ModelStats, layout: Layout, prank: PipelineRank) -> float:
     """Parameters outside the transformer blocks on this rank: embedding, final norm, output (and
     multi-token prediction's copy of the embedding on a last stage without the first)."""
@@ -107,11 +124,14 @@ def master_chunk_bytes(workload: Workload, layout: Layout, dense: float, experts
     return (pr.shard_master_bytes + pr.master_bytes) * sharded_params(layout, dense, experts)
 
 
-def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts: float) -> dict:
-    """params / grads / optimizer bytes under the ZeRO stage (Rajbhandari et al. 2019)."""
+def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts: float,
+                      muon: tuple[float, float] = (0.0, 0.0)) -> dict:
+    """params / grads / optimizer bytes under the ZeRO stage (Rajbhandari et al. 2019); `muon`: the
+    (dense, expert) parameters among them that Muon updates, one moment fewer (muon_param_counts)."""
     pr = workload.precision
     sharded = sharded_params(layout, dense, experts)
     whole = dense + experts
+    one_moment = sharded_params(layout, *muon) if layout.zero >= 1 else sum(muon)
     z = layout.zero
     masters = master_chunk_bytes(workload, layout, dense, experts)
     # fp32 ZeRO-1 keeps the whole gradients until the step and receives its reduced chunk beside
@@ -120,7 +140,7 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
     return {
         "params": (pr.shard_param_bytes or pr.param_bytes) * sharded if z >= 3 else pr.param_bytes * whole,
         "grads": (pr.grad_bytes + pr.accum_bytes) * (sharded if z >= 2 else whole) + chunk_grads,
-        "optimizer": pr.optim_bytes * (sharded if z >= 1 else whole) + masters,
+        "optimizer": pr.optim_bytes * (sharded if z >= 1 else whole) - pr.moment_bytes * one_moment + masters,
     }
 
 
@@ -131,7 +151,8 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
     stats, pr = workload.stats, workload.precision
     m = layout.micro_batches(workload.global_batch)
     dense, experts = rank_param_counts(stats, layout, prank)
-    state = model_state_bytes(workload, layout, dense, experts)
+    muon = muon_param_counts(stats, layout, prank) if workload.muon else (0.0, 0.0)
+    state = model_state_bytes(workload, layout, dense, experts, muon)
     saved, working = activation_bytes(workload, layout, prank, rank, m, hw, runtime)
     other = runtime.fixed_bytes + working
     if layout.zero >= 3 and prank.layers:

@@ -22,6 +22,9 @@ class Precision:
     shard_master_bytes: int = 0  # fp32 master of the owned chunk beside fp32 weights (fp32 ZeRO-1/2)
     master_bytes: int = 0  # fp32 master weights beside lower-precision weights (sharded from ZeRO-1)
     shard_param_bytes: int = 0  # weights as ZeRO-3 shards hold them, when not param_bytes
+    # One fp32 moment: Muon (train.optimizer = muon) keeps one momentum per element of its
+    # matrices where AdamW keeps two moments, so its elements hold this much less optimizer state.
+    moment_bytes: int = 4
 
 
 PRECISIONS = {
@@ -49,6 +52,7 @@ class Workload:
     order: tuple[str, ...] = ("pp", "dp", "cp", "tp")  # outermost first
     keep_gathered: bool = False  # parallel.sp_keep_gathered (plan/activations.py)
     fp8: str = ""  # train.fp8: "" or the recipe; only then do the projections' matmuls get the FP8 speed-up
+    muon: bool = False  # train.optimizer = muon: the block matrices keep one moment (plan/memory.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -60,4 +64,5 @@ def workload_from_config(cfg, precision: str | None = None) -> Workload:
     return Workload(stats=model_stats(cfg.model), seq_len=cfg.train.seq_len,
                     global_batch=cfg.train.global_batch,
                     precision=PRECISIONS[precision or cfg.train.dtype], order=order,
-                    keep_gathered=cfg.parallel.sp_keep_gathered, fp8=cfg.train.fp8)
+                    keep_gathered=cfg.parallel.sp_keep_gathered, fp8=cfg.train.fp8,
+                    muon=cfg.train.optimizer == "muon")

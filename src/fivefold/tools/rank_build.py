@@ -6,7 +6,8 @@ backend: every collective returns at once, nothing is sent), so the trainer's ow
 runs exactly as it would on rank R of the cluster: the meta-device model is split, laid out and
 sharded, then rank R's pieces are materialised and initialised. Gradients and AdamW moments are
 allocated by the first training step; their bytes are counted from the tensors the optimizer
-will update (parameters, or ZeRO-1/2's chunks), not allocated here.
+will update (parameters, or ZeRO-1/2's chunks: two AdamW moments, or Muon's one momentum), not
+allocated here.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def held_state_bytes(par) -> dict[str, int]:
     bytes it will hold once training runs, from the tensors each data-parallel variant keeps."""
     dp = par.data_parallel
     params = _bytes(dp.params)
-    targets = dp.build_optimizer(list)  # what AdamW updates: local parameters, or fp32 master chunks
+    targets = dp.build_optimizer(list)  # what the optimizer updates: local parameters, or fp32 master chunks
+    # AdamW keeps two moments of each, Muon (its matrices, train.optimizer = muon) one momentum.
+    moments = sum((1 if getattr(dp.settings_of(t), "optimizer", "") == "muon" else 2) * _bytes([t]) for t in targets)
     chunks = _bytes(getattr(dp, "chunks", []))
     if getattr(dp, "main_grads", False):  # bf16: whole fp32 gradient buffers; chunk gradients view them
         grads = 4 * sum(bucket.padded for bucket in dp.buckets)
@@ -43,14 +46,14 @@ def held_state_bytes(par) -> dict[str, int]:
         grads = chunks + (0 if dp.shard_grads else params)
     else:  # gradients in the parameters' dtype (FSDP2: fp32 shards)
         grads = params
-    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": 2 * _bytes(targets) + chunks,
+    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": moments + chunks,
             "resident_bytes": params + chunks}
 
 
 def planned_state_bytes(cfg: Config, rank: int) -> dict[str, int]:
     from fivefold.mesh import ParallelDims
     from fivefold.plan.layout import layout_from_config
-    from fivefold.plan.memory import master_chunk_bytes, model_state_bytes, rank_param_counts
+    from fivefold.plan.memory import master_chunk_bytes, model_state_bytes, muon_param_counts, rank_param_counts
     from fivefold.plan.schedule import pipeline_ranks
     from fivefold.plan.workload import workload_from_config
 
@@ -58,7 +61,8 @@ def planned_state_bytes(cfg: Config, rank: int) -> dict[str, int]:
     prank = pipeline_ranks(workload.stats, layout, cfg.train.seq_len)[
         ParallelDims.from_config(cfg.parallel).coordinates(rank)["pp"]]
     counts = rank_param_counts(workload.stats, layout, prank)
-    state = model_state_bytes(workload, layout, *counts)
+    muon = muon_param_counts(workload.stats, layout, prank) if workload.muon else (0.0, 0.0)
+    state = model_state_bytes(workload, layout, *counts, muon)
     resident = state["params"] + master_chunk_bytes(workload, layout, *counts)
     return {f"planned_{k}_bytes": int(round(v)) for k, v in
             (("param", state["params"]), ("grad", state["grads"]), ("optimizer", state["optimizer"]),
