@@ -2,8 +2,8 @@
 matrices inside the blocks (each expert's matrix on its own) plus AdamW on the rest; every layout
 Muon reaches equals the single process; the layouts it does not reach are refused at validation.
 
-One 2-rank spawn runs every layout (zero 0/1/2/3 in fp32, zero 1 and 3 in bf16, tp2, MoEs at zero 2,
-tp2 and ep2), one-step checks tight enough to catch a lost piece of a gathered matrix, and the
+One 2-rank spawn runs every layout (zero 0/1/2/3 in fp32, zero 1 and 3 in bf16, tp2, pp2 (1f1b and a
+V), cp2 at zero 1 and 3, MoEs at zero 2, tp2 and ep2), one-step checks tight enough to catch a lost piece of a gathered matrix, and the
 resumes of Muon checkpoints (same layout bit for bit, other layouts within the layout tolerances)."""
 
 import copy
@@ -25,6 +25,13 @@ def _muon(model=None, dtype="fp32", **parallel) -> dict:
     return {"model": model or {}, "parallel": parallel, "train": {**TRAIN, "dtype": dtype}}
 
 
+def _zbv() -> dict:
+    """Two ranks, four stages in a V (rank 0 holds the first and the last: both copies of the tied
+    embedding), backward split into input and weight passes."""
+    layout = _muon({"n_layers": 4}, pp=2, pp_schedule="zbv", pp_virtual=2)
+    return {**layout, "train": {**layout["train"], "eval_every": 0}}
+
+
 LAYOUTS = {"dp2 zero0": _muon(dp=2, zero=0), "dp2 zero1": _muon(dp=2, zero=1),
            "dp2 zero2": _muon(dp=2, zero=2), "dp2 zero1 bf16": _muon(dtype="bf16", dp=2, zero=1),
            "moe dp2 zero2": _muon(MOE, dp=2, zero=2),
@@ -33,14 +40,17 @@ LAYOUTS = {"dp2 zero0": _muon(dp=2, zero=0), "dp2 zero1": _muon(dp=2, zero=1),
            "dp2 zero3 bf16": _muon(dtype="bf16", dp=2, zero=3),
            # ep borrowing dp: each rank holds two whole experts.
            "moe dp2 ep2 zero1": _muon(MOE, dp=2, ep=2, zero=1), "moe dp2 ep2 zero3": _muon(MOE, dp=2, ep=2, zero=3),
-           "moe dp2 ep2 zero2 bf16": _muon(MOE, dtype="bf16", dp=2, ep=2, zero=2)}
+           "moe dp2 ep2 zero2 bf16": _muon(MOE, dtype="bf16", dp=2, ep=2, zero=2),
+           "pp2": _muon(pp=2), "pp2 zbv": _zbv(), "cp2 zero1": _muon(cp=2, zero=1),
+           "cp2 zero3": _muon(cp=2, zero=3)}
 SPREAD = {"zero1": _muon(dp=2, zero=1), "tp2": _muon(tp=2), "zero3": _muon(dp=2, zero=3)}
 
 
-# Resume: "dp2 zero1" saves at step 2 of 4; the same layout, zero 0, 2 and 3, tp2 and one process
-# (test_resume_on_one_process) continue from it; "moe dp2 zero2" saves too, and ep2 continues it.
+# Resume: "dp2 zero1" saves at step 2 of 4; the same layout, zero 0, 2 and 3, tp2, pp2, cp2 and one
+# process (test_resume_on_one_process) continue from it; "moe dp2 zero2" saves too, and ep2 continues it.
 SAVED = "dp2 zero1"
-RESUMES = {label: LAYOUTS[label] for label in ("dp2 zero1", "dp2 zero2", "dp2 zero0", "dp2 zero3", "tp2")}
+RESUMES = {label: LAYOUTS[label] for label in ("dp2 zero1", "dp2 zero2", "dp2 zero0", "dp2 zero3", "tp2", "pp2",
+                                               "cp2 zero1")}
 MOE_SAVED, MOE_RESUME = "moe dp2 zero2", "moe dp2 ep2 zero1"  # experts' momentum into ep's whole experts
 
 
@@ -68,7 +78,8 @@ def two_ranks(root: str) -> dict:
 # one rank's chunk zeroed after the gather: the bf16 and MoE layouts pass). After one step the
 # bound is 4.1e-4 (5.1e-4 with MoE), the layouts differ by 8.3e-5 (1.0e-4), and that broken
 # gather by 2.3e-3 (2.1e-3): it fails.
-SHORT = ("dp2 zero1", "moe dp2 zero2", "tp2", "dp2 zero3", "moe dp2 ep2 zero1", "moe dp2 ep2 zero3")
+SHORT = ("dp2 zero1", "moe dp2 zero2", "tp2", "dp2 zero3", "moe dp2 ep2 zero1", "moe dp2 ep2 zero3", "cp2 zero1",
+         "pp2 zbv")
 
 
 def _short(layout: dict) -> dict:
@@ -183,9 +194,10 @@ def test_a_step_equals_torch_muon_and_adamw(model):
 
 
 @pytest.mark.parametrize("parallel,dtype,named", [
-    ({"tp": 2, "dp": 2}, "fp32", "parallel.tp=2 with parallel.dp=2"), ({"tp": 2}, "bf16", "parallel.tp=2 under"),
-    ({"dp": 4, "dp_shard": 2, "zero": 3}, "fp32", "parallel.dp_shard=2"), ({"pp": 2}, "fp32", "parallel.pp=2"),
-    ({"cp": 2}, "fp32", "parallel.cp=2"), ({"tp": 2, "ep": 2}, "fp32", "parallel.ep=2 with parallel.tp=2")])
+    ({"tp": 2, "dp": 2}, "fp32", "parallel.dp=2 with parallel.tp=2"), ({"tp": 2}, "bf16", "parallel.tp=2 under"),
+    ({"dp": 4, "dp_shard": 2, "zero": 3}, "fp32", "parallel.dp_shard=2"),
+    ({"pp": 2, "cp": 2}, "fp32", "parallel.pp=2 with parallel.cp=2"),
+    ({"tp": 2, "ep": 2}, "fp32", "parallel.ep=2 with parallel.tp=2")])
 def test_a_layout_muon_does_not_reach_is_refused(parallel, dtype, named):
     from fivefold.config import validate
 

@@ -8,17 +8,15 @@ from fivefold.config.errors import ConfigError
 
 def muon_unsupported(p, dtype: str = "fp32") -> str | None:
     """What of the layout `p` (the [parallel] section; `dtype`: train.dtype) Muon does not reach
-    yet, or None. Reached: data parallelism with ZeRO 0/1/2 (parallel/data/muon_step.py), fp32 or
-    bf16; ZeRO 3 (FSDP2) over dp; tp alone in fp32 (parallel/muon_dtensor.py); ep over dp (whole
-    experts on each rank)."""
-    if p.tp > 1 and p.dp > 1:
-        return f"parallel.tp={p.tp} with parallel.dp={p.dp} (tensor-parallel matrices in data-parallel buckets)"
+    yet, or None. Reached, one dimension at a time: dp with ZeRO 0/1/2 (parallel/data/muon_step.py)
+    and 3 (FSDP2, parallel/muon_dtensor.py), fp32 or bf16, with ep borrowing dp (whole experts);
+    cp, the same way (its ranks share the dp ranks' buckets and shards); pp, any schedule (each
+    stage's matrices whole); tp in fp32 (parallel/muon_dtensor.py)."""
+    used = [f"parallel.{name}={getattr(p, name)}" for name in ("dp", "tp", "pp", "cp") if getattr(p, name) > 1]
+    if len(used) > 1:
+        return f"{used[0]} with {used[1]} (Muon is tested one dimension at a time)"
     if p.tp > 1 and dtype != "fp32":
         return f"parallel.tp={p.tp} under train.dtype = {dtype} (tensor-parallel matrices in fp32 master buckets)"
-    if p.pp > 1:
-        return f"parallel.pp={p.pp}"
-    if p.cp > 1:
-        return f"parallel.cp={p.cp}"
     if p.ep > 1 and p.tp > 1:
         return f"parallel.ep={p.ep} with parallel.tp={p.tp} (experts on tensor-parallel ranks)"
     if p.dp_shard and p.dp_shard < p.dp:
@@ -36,9 +34,9 @@ def check_optimizer(cfg) -> None:
         return
     missing = muon_unsupported(cfg.parallel, t.dtype)
     if missing:
-        raise ConfigError(f"train.optimizer = muon does not run on {missing} yet, only on data parallelism "
-                          "(parallel.zero 0 to 3, with ep) or on tp alone in fp32; use train.optimizer = adamw for this "
-                          "layout, or train Muon on one of those")
+        raise ConfigError(f"train.optimizer = muon does not run on {missing} yet, only on one of dp (zero 0 to "
+                          "3, with ep), pp, cp, or tp in fp32; use train.optimizer = adamw for this layout, or "
+                          "train Muon on one of those")
     from fivefold.models import build_meta_model
 
     settings_by_name(t, build_meta_model(cfg.model))  # one sentence if a group gives Muon a vector
