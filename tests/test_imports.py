@@ -166,12 +166,15 @@ def test_every_module_imports_alone():
     assert out.stdout.strip().endswith("FAILED []"), out.stdout[-3000:] + out.stderr[-3000:]
 
 
-def test_families_agree_with_the_config_layer():
+def test_one_list_of_families():
+    """config/families.py lists the families; each has its folder and reads its own model_type."""
     from fivefold.config.families import FAMILIES, HF_MODEL_TYPES
-    from fivefold.models.registry import FAMILIES as FOLDERS, model_spec
+    from fivefold.models.registry import FAMILIES as FOLDERS, family_of_hf_model_type, model_spec
 
     assert tuple(FOLDERS) == FAMILIES
+    assert all((PACKAGE / "models" / family / "spec.py").is_file() for family in FAMILIES)
     assert {f: model_spec(f).hf.model_type for f in FAMILIES} == HF_MODEL_TYPES
+    assert all(family_of_hf_model_type(kind) == family for family, kind in HF_MODEL_TYPES.items())
 
 
 # Paths as the docs write them: a known top folder, then slashes, ending in a file name.

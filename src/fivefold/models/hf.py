@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from fivefold.config import ConfigError, ModelConfig
-from fivefold.models.registry import FAMILIES, family_of_hf_model_type, model_spec
+from fivefold.config.families import HF_MODEL_TYPES
+from fivefold.models.registry import family_of_hf_model_type, model_spec
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -28,7 +29,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     model_type = hf.get("model_type", "llama")
     family = family_of_hf_model_type(model_type)
     if family is None:
-        readable = ", ".join(f"'{model_spec(f).hf.model_type}'" for f in FAMILIES)
+        readable = ", ".join(f"'{kind}'" for kind in HF_MODEL_TYPES.values())
         raise ConfigError(f"config.json has model_type '{model_type}'; fivefold reads model_type {readable}")
     return model_spec(family).hf.read_config(hf)
 

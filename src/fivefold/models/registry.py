@@ -1,4 +1,5 @@
-"""The model families: `model.family` -> its folder. Adding a family is one line here (and the folder).
+"""The model families (config/families.py lists them): `model.family` -> its folder, models/<family>/.
+Adding a family is one line in config/families.py and the folder.
 
 Imports are lazy: the planner asks for a family's statistics without importing torch, the trainer
 for its ModelSpec.
@@ -9,15 +10,9 @@ from __future__ import annotations
 import importlib
 
 from fivefold.config import ConfigError, ModelConfig
+from fivefold.config.families import FAMILIES as FAMILY_NAMES, HF_MODEL_TYPES
 
-FAMILIES: dict[str, str] = {
-    "llama": "fivefold.models.llama",  # Llama 3.x, dense
-    "mixtral": "fivefold.models.mixtral",  # the Llama block with an MoE feed-forward
-    "qwen3": "fivefold.models.qwen3",  # Qwen3 dense: per-head q/k RMSNorm, explicit head_dim
-    "qwen3_moe": "fivefold.models.qwen3_moe",  # Qwen3-MoE: fine-grained experts, dense layers by list
-    "deepseek_v3": "fivefold.models.deepseek_v3",  # DeepSeek-V3: latent attention, YaRN, grouped routing
-    "gpt_oss": "fivefold.models.gpt_oss",  # gpt-oss: sliding windows, attention sinks, biases, clamped SwiGLU experts
-}
+FAMILIES: dict[str, str] = {family: f"fivefold.models.{family}" for family in FAMILY_NAMES}
 
 
 def family_module(family: str, part: str):
@@ -38,7 +33,4 @@ def family_stats(cfg: ModelConfig):
 
 def family_of_hf_model_type(model_type: str) -> str | None:
     """The family whose Hugging Face adapter reads config.json files of this `model_type`."""
-    for family in FAMILIES:
-        if model_spec(family).hf.model_type == model_type:
-            return family
-    return None
+    return next((family for family, kind in HF_MODEL_TYPES.items() if kind == model_type), None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 
 from fivefold.config import ConfigError, ModelConfig, MoEConfig
+from fivefold.config.families import HF_MODEL_TYPES
 from fivefold.models.hf_adapter import NOTHING, HFAdapter
 from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
 from fivefold.models.llama.hf import DENSE_MLP_NAMES, FRAME_NAMES
@@ -200,6 +201,6 @@ def write_config(cfg: ModelConfig, dtype) -> dict:
     return out
 
 
-ADAPTER = HFAdapter(model_type="deepseek_v3", names=NAMES, experts=EXPERTS, read_config=read_config,
+ADAPTER = HFAdapter(model_type=HF_MODEL_TYPES["deepseek_v3"], names=NAMES, experts=EXPERTS, read_config=read_config,
                     write_config=write_config, ours_only=NOTHING, dropped_by_hf=dropped_on_read,
                     hf_copies=mtp_copies, fit_to_files=fit_to_files)

@@ -18,6 +18,7 @@ refused. Export writes unquantised weights.
 from __future__ import annotations
 
 from fivefold.config import ConfigError, ModelConfig, MoEConfig
+from fivefold.config.families import HF_MODEL_TYPES
 from fivefold.models.attention_layout import attention_window
 from fivefold.models.hf_adapter import HFAdapter, Part
 from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
@@ -165,5 +166,5 @@ def write_config(cfg: ModelConfig, dtype) -> dict:
     return out
 
 
-ADAPTER = HFAdapter(model_type="gpt_oss", names=NAMES, parts=PARTS, read_config=read_config,
+ADAPTER = HFAdapter(model_type=HF_MODEL_TYPES["gpt_oss"], names=NAMES, parts=PARTS, read_config=read_config,
                     write_config=write_config)

@@ -5,6 +5,7 @@ as they are, without the head permutation that Meta's original checkpoints would
 """
 
 from fivefold.config import ModelConfig
+from fivefold.config.families import HF_MODEL_TYPES
 from fivefold.models.hf_adapter import HFAdapter
 from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, refuse, refuse_moe
 
@@ -42,5 +43,5 @@ def write_config(cfg: ModelConfig, dtype) -> dict:
     return decoder_hf_config(cfg, dtype, "llama", "LlamaForCausalLM")
 
 
-ADAPTER = HFAdapter(model_type="llama", names=ATTENTION_NAMES + DENSE_MLP_NAMES,
+ADAPTER = HFAdapter(model_type=HF_MODEL_TYPES["llama"], names=ATTENTION_NAMES + DENSE_MLP_NAMES,
                     read_config=read_config, write_config=write_config)

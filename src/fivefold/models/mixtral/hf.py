@@ -5,6 +5,7 @@ Hugging Face files keep one matrix per expert (`experts.{expert}.w1.weight`), fi
 """
 
 from fivefold.config import ConfigError, ModelConfig, MoEConfig
+from fivefold.config.families import HF_MODEL_TYPES
 from fivefold.models.hf_adapter import HFAdapter
 from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
 from fivefold.models.llama.hf import ATTENTION_NAMES
@@ -48,7 +49,7 @@ def write_config(cfg: ModelConfig, dtype) -> dict:
 
 
 ADAPTER = HFAdapter(
-    model_type="mixtral",
+    model_type=HF_MODEL_TYPES["mixtral"],
     names=ATTENTION_NAMES + [(f"{_MOE}.gate.weight", "layers.{layer}.feed_forward.router.gate.weight")],
     experts=[(f"{_MOE}.experts.{{expert}}.w1.weight", "layers.{layer}.feed_forward.experts.w1"),
              (f"{_MOE}.experts.{{expert}}.w2.weight", "layers.{layer}.feed_forward.experts.w2"),

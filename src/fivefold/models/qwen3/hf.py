@@ -2,6 +2,7 @@
 q/k norms."""
 
 from fivefold.config import ModelConfig
+from fivefold.config.families import HF_MODEL_TYPES
 from fivefold.models.hf_adapter import HFAdapter
 from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, refuse_moe
 from fivefold.models.llama.hf import ATTENTION_NAMES, DENSE_MLP_NAMES
@@ -26,5 +27,5 @@ def write_config(cfg: ModelConfig, dtype) -> dict:
     return out
 
 
-ADAPTER = HFAdapter(model_type="qwen3", names=ATTENTION_NAMES + QK_NORM_NAMES + DENSE_MLP_NAMES,
+ADAPTER = HFAdapter(model_type=HF_MODEL_TYPES["qwen3"], names=ATTENTION_NAMES + QK_NORM_NAMES + DENSE_MLP_NAMES,
                     read_config=read_config, write_config=write_config)

@@ -8,6 +8,7 @@ decoder_sparse_step — in our keys first_dense = step - 1, every = step, dense_
 """
 
 from fivefold.config import ConfigError, ModelConfig, MoEConfig
+from fivefold.config.families import HF_MODEL_TYPES
 from fivefold.models.hf_adapter import HFAdapter
 from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
 from fivefold.models.llama.hf import ATTENTION_NAMES, DENSE_MLP_NAMES
@@ -75,7 +76,7 @@ def write_config(cfg: ModelConfig, dtype) -> dict:
 
 
 ADAPTER = HFAdapter(
-    model_type="qwen3_moe",
+    model_type=HF_MODEL_TYPES["qwen3_moe"],
     names=ATTENTION_NAMES + QK_NORM_NAMES + DENSE_MLP_NAMES
     + [(f"{_MLP}.gate.weight", "layers.{layer}.feed_forward.router.gate.weight")],
     experts=[(f"{_MLP}.experts.{{expert}}.gate_proj.weight", "layers.{layer}.feed_forward.experts.w1"),
