@@ -96,6 +96,7 @@ def test_plot_writes_a_png(capsys, tmp_path):
     ((*LLAMA8, "--layout", "dp=8,tp=3"), "parallel.tp=3 does not divide model.n_heads=32"),
     ((*LLAMA8, "--cluster.gpus", "12"), "is not a whole number of 8-GPU nodes"),
     ((*LLAMA8, "--cluster.gpus", "8", "--cluster.gpu", "tpu"), "cluster.gpu='tpu' is not one of"),
+    ((*LLAMA8, "--cluster.gpus", "8", "--cluster.fabric", "torus"), "cluster.fabric='torus' is not one of full_bisection, tapered"),
     ((*LLAMA8, "--layout", "dp=4", "--cluster.gpus", "8"), "= 4 but --cluster.gpus is 8"),
     ((*LLAMA8,), "give the cluster size with --cluster.gpus"),
     (("missing.toml",), "config file missing.toml does not exist"),
@@ -109,6 +110,18 @@ def test_bad_input_is_one_sentence_and_exit_2(capsys, argv, sentence):
     assert code == 2 and out == ""
     assert sentence in err and "Traceback" not in err
     assert err.count("\n") == 1
+
+
+def test_cluster_fabric_is_a_config_key(capsys):
+    """cluster.fabric reaches the time model: an oversubscribed fabric slows a 256-node layout's
+    data-parallel reduction, a full-bisection one (the default) does not."""
+    def speed(*fabric):
+        data = plan_json(capsys, *LLAMA8, "--cluster.gpus", "2048", "--train.global_batch", "2048",
+                         "--layout", "dp=256,tp=8,mbs=1,zero=1", *fabric)
+        return data["candidates"][0]["tokens_per_sec_per_gpu"]
+
+    assert speed() == speed("--cluster.fabric", "full_bisection")
+    assert speed("--cluster.fabric", "tapered") < 0.9 * speed()
 
 
 def test_bad_layouts_line_names_the_line(capsys, tmp_path):

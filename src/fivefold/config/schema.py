@@ -20,6 +20,7 @@ from fivefold.config.schedules import PP_SCHEDULES  # noqa: F401 - one of the pa
 # Choices of the parallel keys (config/validate.py imports them from here).
 CP_METHODS = ("ring", "allgather", "ulysses")
 BACKENDS = ("auto", "nccl", "gloo", "cpu:gloo,cuda:nccl")  # torch.distributed names; auto: runtime.py
+FABRICS = ("full_bisection", "tapered")  # cluster.fabric
 ZERO_STAGES = "0 replicate, 1 shard optimizer state, 2 also gradients, 3 also parameters"
 
 
@@ -267,6 +268,9 @@ class ClusterConfig:
     memory_gb: float = checked(0.0, ge=0)
     intra_gbps: float = checked(0.0, ge=0)  # NVLink-class bandwidth inside a node, GB/s
     inter_gbps: float = checked(0.0, ge=0)  # network bandwidth between nodes per GPU, GB/s
+    # The network between nodes: a rail-optimised full-bisection fat tree (H100/B200 clusters), or an
+    # oversubscribed one whose per-GPU bandwidth falls with the nodes a collective spans (docs/planner.md).
+    fabric: str = checked("full_bisection", choices=FABRICS)  # full_bisection | tapered
 
 
 @dataclass
