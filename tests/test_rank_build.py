@@ -80,3 +80,12 @@ def test_muon_holds_the_one_momentum_the_planner_predicts(layout):
     adamw = planned_state_bytes(load_config("tiny", overrides), 1)["planned_optimizer_bytes"]
     # Measured: 0.52 of AdamW's under tp2; 0.68 at zero 1, whose fp32 master chunks count here too.
     assert report["optimizer_bytes"] < 0.75 * adamw, (report["optimizer_bytes"], adamw)
+
+
+@pytest.mark.parametrize("zero", ["1"])
+def test_zero_without_data_parallelism_is_planned_as_the_trainer_runs_it(zero):
+    """dp·cp = 1: the trainer ignores parallel.zero (nothing to shard) and holds zero 0's state;
+    the planner prices that, not the stage asked for (it priced zero 1 at tp2: 2x the gradients)."""
+    report = build("tiny", "--parallel.dp", "1", "--parallel.tp", "2", "--parallel.zero", zero, "--rank", "1")
+    for kind in ("param", "grad", "optimizer"):
+        assert report[f"{kind}_bytes"] == report[f"planned_{kind}_bytes"], (kind, report)

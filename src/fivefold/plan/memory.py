@@ -6,6 +6,7 @@ Activations are counted in plan/activations.py.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from fivefold.plan.activations import activation_bytes
@@ -107,6 +108,14 @@ def expert_shard_degree(layout: Layout) -> int:
     return max(1, layout.dp * layout.cp * layout.tp // layout.ep)
 
 
+def as_trained(layout: Layout) -> Layout:
+    """The layout the trainer runs: with dp·cp = 1 there is nothing to shard, so it ignores
+    parallel.zero (and says so: config/validate.py ignored_options) and holds what zero 0 holds."""
+    if layout.zero and layout.dp * layout.cp == 1:
+        return dataclasses.replace(layout, zero=0)
+    return layout
+
+
 def sharded_params(layout: Layout, dense: float, experts: float) -> float:
     """This rank's share of its (dense, expert) parameters once ZeRO shards them."""
     return dense / layout.shard_degree + experts / expert_shard_degree(layout)
@@ -116,7 +125,7 @@ def master_chunk_bytes(workload: Workload, layout: Layout, dense: float, experts
     """fp32 master weights kept apart from the weights (parallel/data/zero.py), held from
     construction on, unlike gradients and moments: bf16's masters (whole at ZeRO-0, the owned chunk
     at ZeRO-1/2) and fp32 ZeRO-1/2's copy of its chunk. At ZeRO-3 the fp32 shards are the weights."""
-    pr = workload.precision
+    pr, layout = workload.precision, as_trained(layout)
     if layout.zero >= 3:
         return 0.0
     if layout.zero == 0:
@@ -128,7 +137,7 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
                       muon: tuple[float, float] = (0.0, 0.0)) -> dict:
     """params / grads / optimizer bytes under the ZeRO stage (Rajbhandari et al. 2019); `muon`: the
     (dense, expert) parameters among them that Muon updates, one moment fewer (muon_param_counts)."""
-    pr = workload.precision
+    pr, layout = workload.precision, as_trained(layout)
     sharded = sharded_params(layout, dense, experts)
     whole = dense + experts
     one_moment = sharded_params(layout, *muon) if layout.zero >= 1 else sum(muon)
@@ -149,6 +158,7 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
 def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                 prank: PipelineRank, rank: int) -> MemoryBreakdown:
     stats, pr = workload.stats, workload.precision
+    layout = as_trained(layout)
     m = layout.micro_batches(workload.global_batch)
     dense, experts = rank_param_counts(stats, layout, prank)
     muon = muon_param_counts(stats, layout, prank) if workload.muon else (0.0, 0.0)
