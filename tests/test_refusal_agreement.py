@@ -1,7 +1,8 @@
 """The layout search and validation refuse the same layouts: over every layout the search enumerates
 for each shipped config on 4 GPUs, the search's quick check (plan/search.py layout_problem, which
-reads config/pipeline_rules.py) passes exactly the layouts fivefold.config.validate accepts, so the
-search never proposes a layout the trainer refuses, nor skips one it runs."""
+reads config/pipeline_rules.py and config/validate_optimizer.py's optimizer_layout_problem) passes
+exactly the layouts fivefold.config.validate accepts, so the search never proposes a layout the
+trainer refuses, nor skips one it runs."""
 
 import dataclasses
 
@@ -17,11 +18,24 @@ GPUS = 4
 # finetune.toml takes its model from the folder a run of chat-demo-base.toml writes: that
 # config's layouts are checked, and finetune's model is the same one.
 NEEDS_A_RUN_FIRST = {"finetune"}
+# Every shipped config trains AdamW, which runs on every layout; Muon is refused on some
+# (config/validate_optimizer.py), so a few configs are also checked with it: fp32 and bf16 (tp alone
+# is refused only under bf16), a large dense model, an MoE in fp32 (where ep with tp is the rule that
+# refuses), and Muon chosen by a parameter group rather than by train.optimizer (refused either way).
+# The MoE is demo's small one: validation builds a meta-device model for each layout Muon runs on,
+# which for qwen3-30b-a3b's 128 experts x 48 layers alone takes ~7 s on one core.
+MUON = {"train": {"optimizer": "muon"}}
+MUON_VARIANTS = [
+    ("tiny", MUON),
+    ("tiny", {"train": {"optimizer": "muon", "dtype": "bf16"}}),
+    ("tiny", {"train": {"param_groups": "attention|mlp: optimizer=muon"}}),
+    ("llama3-8b", MUON),
+    ("demo", MUON),
+]
 
 
-@pytest.mark.parametrize("name", [n for n in shipped.names() if n not in NEEDS_A_RUN_FIRST])
-def test_search_and_validation_refuse_the_same_layouts(name):
-    cfg = load_config(shipped.resolve(name), {"cluster": {"gpus": GPUS}})
+def _disagreements(name: str, overrides: dict) -> tuple[list[str], int]:
+    cfg = load_config(shipped.resolve(name), {"cluster": {"gpus": GPUS}, **overrides})
     # The planner plans the model and the layout: the data and checkpoint paths are the run's.
     cfg = dataclasses.replace(cfg, data=DataConfig(), checkpoint=CheckpointConfig())
     workload = workload_from_config(cfg)
@@ -38,5 +52,19 @@ def test_search_and_validation_refuse_the_same_layouts(name):
             if (search_says is None) != (validation_says is None):
                 disagreements.append(f"{layout}: search {search_says or 'accepts'}; "
                                      f"validation {validation_says or 'accepts'}")
+    return disagreements, checked
+
+
+@pytest.mark.parametrize("name", [n for n in shipped.names() if n not in NEEDS_A_RUN_FIRST])
+def test_search_and_validation_refuse_the_same_layouts(name):
+    disagreements, checked = _disagreements(name, {})
+    assert checked > 0
+    assert not disagreements, f"{len(disagreements)} of {checked}, e.g. {disagreements[:3]}"
+
+
+@pytest.mark.parametrize("name,overrides", MUON_VARIANTS, ids=lambda v: v if isinstance(v, str) else
+                         "-".join(f"{k}={x}" for k, x in v["train"].items()))
+def test_search_and_validation_refuse_the_same_muon_layouts(name, overrides):
+    disagreements, checked = _disagreements(name, overrides)
     assert checked > 0
     assert not disagreements, f"{len(disagreements)} of {checked}, e.g. {disagreements[:3]}"
