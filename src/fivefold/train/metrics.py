@@ -119,7 +119,7 @@ def _quiet_event_writer_thread() -> None:
     """TensorBoard writes events from a thread of its own, which keeps the OS's error (a full disk)
     and re-raises it, so Python would print that thread's traceback; the writer raises the same error
     again at its next call on the main thread, where it becomes one sentence. So that thread's
-    OSError is not printed; any other thread's error is, as before."""
+    OSError is not printed; any other thread's error still is."""
     previous = threading.excepthook
     if getattr(previous, "fivefold_quiet", False):
         return
