@@ -82,6 +82,13 @@ def guarded(path, action: str, fix: str = "", what: str = "", formats: tuple[typ
         raise malformed(path, what or "file", err, fix or "write it again") from None
 
 
+def _refuse_under_a_file(path: Path, role: str, fix: str) -> None:
+    """One sentence when the nearest existing folder above `path` is in fact a file."""
+    under = next((p for p in path.parents if p.exists()), None)
+    if under is not None and not under.is_dir():
+        raise FileProblem(f"{role} {path} is under {under}, which is a file, not a folder; {fix}")
+
+
 def need_folder(path, role: str, fix: str) -> Path:
     """`path` must be an existing folder: one sentence when it is missing, a file, or under a file."""
     path = Path(path)
@@ -89,9 +96,7 @@ def need_folder(path, role: str, fix: str) -> Path:
         return path
     if path.exists():
         raise FileProblem(f"{role} {path} is a file, not a folder; {fix}")
-    under = next((p for p in path.parents if p.exists()), None)
-    if under is not None and not under.is_dir():
-        raise FileProblem(f"{role} {path} is under {under}, which is a file, not a folder; {fix}")
+    _refuse_under_a_file(path, role, fix)
     raise FileProblem(f"{role} {path} does not exist; {fix}")
 
 
@@ -102,9 +107,7 @@ def need_file(path, role: str, fix: str) -> Path:
         return path
     if path.is_dir():
         raise FileProblem(f"{role} {path} is a folder, not a file; {fix}")
-    under = next((p for p in path.parents if p.exists()), None)
-    if under is not None and not under.is_dir():
-        raise FileProblem(f"{role} {path} is under {under}, which is a file, not a folder; {fix}")
+    _refuse_under_a_file(path, role, fix)
     raise FileProblem(f"{role} {path} does not exist; {fix}")
 
 
@@ -113,9 +116,7 @@ def need_output_file(path, role: str, fix: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise FileProblem(f"{role} {path} is a folder, not a file; {fix}")
-    under = next((p for p in path.parents if p.exists()), None)
-    if under is not None and not under.is_dir():
-        raise FileProblem(f"{role} {path} is under {under}, which is a file, not a folder; {fix}")
+    _refuse_under_a_file(path, role, fix)
     return path
 
 
@@ -125,9 +126,7 @@ def need_output_folder(path, role: str, fix: str, ours=None) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileProblem(f"{role} {path} is a file, not a folder; {fix}")
-    under = next((p for p in path.parents if p.exists()), None)
-    if under is not None and not under.is_dir():
-        raise FileProblem(f"{role} {path} is under {under}, which is a file, not a folder; {fix}")
+    _refuse_under_a_file(path, role, fix)
     if ours is not None and path.is_dir() and any(path.iterdir()) and not ours(path):
         raise FileProblem(f"{role} {path} already holds files that fivefold did not write; give a new or "
                           f"empty folder ({fix})")
