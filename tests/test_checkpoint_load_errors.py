@@ -10,11 +10,11 @@ tests/test_checkpoint.py's; here a cut .distcp only shows the fallback of `auto`
 from __future__ import annotations
 
 import errno
-import pathlib
 import shutil
 
 import pytest
 from layouts import tiny_config
+from file_faults import refuse_reads
 
 from fivefold.config import ConfigError
 from fivefold.train import checkpoint
@@ -46,17 +46,6 @@ def _refused(root, resume) -> str:
     with pytest.raises(ConfigError) as err:
         _resolve(root, resume)
     return str(err.value)
-
-
-def _refuse_reads(monkeypatch, path, code):
-    read_text = pathlib.Path.read_text
-
-    def refusing(self, *args, **kwargs):
-        if self == path:
-            raise OSError(code, "injected", str(self))
-        return read_text(self, *args, **kwargs)
-
-    monkeypatch.setattr(pathlib.Path, "read_text", refusing)
 
 
 def _cut_manifest(step):
@@ -105,7 +94,7 @@ def test_a_manifest_cut_short_named_when_resumed_by_path(root):
                          ids=["EIO", "EACCES"])
 def test_a_state_json_the_storage_will_not_read(root, monkeypatch, capsys, code, said):
     step = root / "step_00000002"
-    _refuse_reads(monkeypatch, step / "state.json", code)
+    refuse_reads(monkeypatch, step / "state.json", code)
     assert _refused(root, step) == f"checkpoint {step} is damaged: state.json cannot be read ({said}); {ANOTHER}"
     assert _resolve(root, "auto") == root / "step_00000001"  # as with any damaged newest checkpoint
     assert capsys.readouterr().err == (f"warning: skipped damaged checkpoint {step} (state.json cannot be read "
@@ -117,7 +106,7 @@ def test_a_state_json_the_storage_will_not_read(root, monkeypatch, capsys, code,
 
 
 def test_latest_the_storage_will_not_read(root, monkeypatch):
-    _refuse_reads(monkeypatch, root / "latest", errno.EIO)
+    refuse_reads(monkeypatch, root / "latest", errno.EIO)
     assert _refused(root, "auto") == (f"cannot read {root / 'latest'}: {EIO} or set checkpoint.resume to a "
                                       "step_N folder")
 

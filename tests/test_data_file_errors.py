@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import errno
 import json
-import pathlib
 import shutil
 
 import numpy as np
 import pytest
+from file_faults import refuse_reads
 
 from fivefold.cli import main
 from fivefold.config.file_errors import FileProblem
@@ -119,14 +119,7 @@ def test_document_index_of_another_folder(folder):
 def test_manifest_the_os_will_not_read(folder, monkeypatch, code, words):
     # Injected: a chmod does not stop root, who runs many CI containers.
     manifest = folder / "manifest.json"
-    read_text = pathlib.Path.read_text
-
-    def refusing(path, *args, **kwargs):
-        if path == manifest:
-            raise OSError(code, "injected", str(path))
-        return read_text(path, *args, **kwargs)
-
-    monkeypatch.setattr(pathlib.Path, "read_text", refusing)
+    refuse_reads(monkeypatch, manifest, code)
     with pytest.raises(FileProblem) as err:
         read_manifest(str(folder))
     assert str(err.value) == (f"cannot read {manifest}: {words} or prepare the folder again "

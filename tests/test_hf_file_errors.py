@@ -6,10 +6,10 @@ the problem and the fix; what was there before is left as it was."""
 from __future__ import annotations
 
 import errno
-import pathlib
 import shutil
 
 import pytest
+from file_faults import refuse_reads
 
 from fivefold.cli import main
 from fivefold.config.file_errors import FileProblem
@@ -69,14 +69,7 @@ def test_index_without_a_weight_map(hf):
 
 def test_config_json_the_os_will_not_read(hf, monkeypatch):
     config = hf / "config.json"
-    read_text = pathlib.Path.read_text
-
-    def refusing(path, *args, **kwargs):
-        if path == config:
-            raise OSError(errno.EIO, "injected", str(path))
-        return read_text(path, *args, **kwargs)
-
-    monkeypatch.setattr(pathlib.Path, "read_text", refusing)
+    refuse_reads(monkeypatch, config, errno.EIO)
     assert _refused(hf) == (f"cannot read {config}: the storage reported an input/output error; check the disk "
                             f"or network file system (dmesg, the storage's health), then retry; {REDO}")
 

@@ -6,9 +6,9 @@ a file, cut short or unreadable, each one sentence with exit code 2."""
 from __future__ import annotations
 
 import errno
-import pathlib
 
 import pytest
+from file_faults import refuse_reads
 
 from fivefold.cli import main
 from fivefold.models.hf_stream import make_random_hf_llama
@@ -49,14 +49,7 @@ def test_config_json_cut_short(hf, capsys):
 
 def test_config_json_the_storage_will_not_read(hf, capsys, monkeypatch):
     config = hf / "config.json"
-    read_text = pathlib.Path.read_text
-
-    def refusing(path, *args, **kwargs):
-        if path == config:
-            raise OSError(errno.EIO, "injected", str(path))
-        return read_text(path, *args, **kwargs)
-
-    monkeypatch.setattr(pathlib.Path, "read_text", refusing)
+    refuse_reads(monkeypatch, config, errno.EIO)
     assert _build(capsys, hf) == (
         f"model.init_from='{hf}' needs a Hugging Face folder: cannot read {config}: the storage reported an "
         f"input/output error; check the disk or network file system (dmesg, the storage's health), then retry; {REDO}")

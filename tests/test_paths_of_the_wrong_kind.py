@@ -10,24 +10,12 @@ import errno
 
 import pytest
 from layouts import tiny_config
+from file_faults import one_sentence
 
 from fivefold.cli import main
 from fivefold.config.file_errors import FileProblem
 from fivefold.train import metrics, prepare as prepare_module
 from fivefold.train.trainer import train
-
-
-def _one_sentence(capsys, *argv) -> str:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as done:
-        code = done.code
-    err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    prefix = "fivefold plan: " if argv[0] == "plan" else "error: "  # the planner's own prefix
-    assert len(lines) == 1 and lines[0].startswith(prefix), err
-    return lines[0].removeprefix(prefix)
 
 
 @pytest.fixture
@@ -44,10 +32,10 @@ def places(tmp_path):
 def test_prepare_out(places, capsys):
     tmp, a_file, a_folder = places
     fix = "give prepare a folder to create, or its earlier --out"
-    assert _one_sentence(capsys, "prepare", a_file, "--out", a_file) == f"--out {a_file} is a file, not a folder; {fix}"
-    assert _one_sentence(capsys, "prepare", a_file, "--out", a_file / "data") == (
+    assert one_sentence(capsys, "prepare", a_file, "--out", a_file) == f"--out {a_file} is a file, not a folder; {fix}"
+    assert one_sentence(capsys, "prepare", a_file, "--out", a_file / "data") == (
         f"--out {a_file / 'data'} is under {a_file}, which is a file, not a folder; {fix}")
-    assert _one_sentence(capsys, "prepare", a_file, "--out", a_folder) == (
+    assert one_sentence(capsys, "prepare", a_file, "--out", a_folder) == (
         f"--out {a_folder} is not empty and holds no prepare; choose a new or empty folder")
 
 
@@ -60,7 +48,7 @@ def test_prepare_onto_a_full_disk_continues_when_run_again(places, monkeypatch, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(prepare_module, "_write_document_index", full)
-    assert _one_sentence(capsys, "prepare", a_file, "--out", out, "--workers", "1") == (
+    assert one_sentence(capsys, "prepare", a_file, "--out", out, "--workers", "1") == (
         f"cannot write {out}: the disk is full; free space on that disk or choose another --out; finished shards "
         "are kept and the same command continues where it stopped")
     monkeypatch.setattr(prepare_module, "_write_document_index", write_index)
@@ -70,12 +58,12 @@ def test_prepare_onto_a_full_disk_continues_when_run_again(places, monkeypatch, 
 
 def test_report_paths(places, capsys):
     tmp, a_file, a_folder = places
-    assert _one_sentence(capsys, "report", a_file) == f"report RUN_DIR {a_file} is a file, not a folder; give the log.dir of a run"
+    assert one_sentence(capsys, "report", a_file) == f"report RUN_DIR {a_file} is a file, not a folder; give the log.dir of a run"
     run = tmp / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     (run / "report").write_text("mine")
-    assert _one_sentence(capsys, "report", run) == (
+    assert one_sentence(capsys, "report", run) == (
         f"report folder {run / 'report'} is a file, not a folder; move it away: fivefold report draws there")
     assert (run / "report").read_text() == "mine"
 
@@ -83,23 +71,23 @@ def test_report_paths(places, capsys):
 def test_plot_outputs(places, capsys):
     tmp, a_file, a_folder = places
     fix = "give the path of a .png file to write"
-    assert _one_sentence(capsys, "plan", "tiny", "--layout", "dp=1", "--plot", a_folder) == \
+    assert one_sentence(capsys, "plan", "tiny", "--layout", "dp=1", "--plot", a_folder) == \
         f"--plot {a_folder} is a folder, not a file; {fix}"
-    assert _one_sentence(capsys, "plan", "tiny", "--layout", "dp=1", "--plot", a_file / "m.png") == \
+    assert one_sentence(capsys, "plan", "tiny", "--layout", "dp=1", "--plot", a_file / "m.png") == \
         f"--plot {a_file / 'm.png'} is under {a_file}, which is a file, not a folder; {fix}"
-    assert _one_sentence(capsys, "viz", "schedule", "--pp", "2", "--out", a_folder) == \
+    assert one_sentence(capsys, "viz", "schedule", "--pp", "2", "--out", a_folder) == \
         f"--out {a_folder} is a folder, not a file; {fix}"
 
 
 def test_generate_and_train_inputs(places, capsys):
     tmp, a_file, a_folder = places
-    assert _one_sentence(capsys, "generate", a_file, "--prompt", "hi") == (
+    assert one_sentence(capsys, "generate", a_file, "--prompt", "hi") == (
         f"generate CHECKPOINT {a_file} is a file, not a folder; give a step_N folder, a checkpoint root or a "
         "Hugging Face folder")
-    assert _one_sentence(capsys, "train", "--dry-run", "--checkpoint.resume", a_file) == (
+    assert one_sentence(capsys, "train", "--dry-run", "--checkpoint.resume", a_file) == (
         f"checkpoint.resume='{a_file}' is a file, not a folder; pass a step_N folder, a checkpoint root, 'auto' "
         "or 'none'")
-    assert _one_sentence(capsys, "train", "--dry-run", "--checkpoint.resume", a_folder) == (
+    assert one_sentence(capsys, "train", "--dry-run", "--checkpoint.resume", a_folder) == (
         f"checkpoint.resume='{a_folder}' is not a checkpoint: it has no state.json and no 'latest' marker; pass "
         "a step_N folder, a checkpoint root, 'auto' or 'none'")
 

@@ -12,22 +12,13 @@ import tempfile
 import pytest
 import torch
 from layouts import tiny_config
+from file_faults import one_sentence
 
-from fivefold.cli import main
 from fivefold.config.file_errors import FileProblem
 from fivefold.train import hangs
 from fivefold.train.trainer import train
 
 FIX = "set log.dir to another folder (the checkpoints saved so far are intact)"
-
-
-def _one_sentence(capsys, *argv) -> str:
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0].removeprefix("error: ")
 
 
 @pytest.mark.parametrize("folder, key, flags", [
@@ -37,7 +28,7 @@ def _one_sentence(capsys, *argv) -> str:
 ])
 def test_a_file_where_a_run_folder_goes_is_refused_at_start(tmp_path, capsys, folder, key, flags):
     (tmp_path / folder).write_text("mine")
-    assert _one_sentence(capsys, "train", "tiny", "--dry-run", "--log.dir", tmp_path, *flags) == (
+    assert one_sentence(capsys, "train", "tiny", "--dry-run", "--log.dir", tmp_path, *flags) == (
         f"{tmp_path / folder} is a file, not a folder, but {key} writes its files there; move it away or set "
         "log.dir to another folder")
     assert (tmp_path / folder).read_text() == "mine"
@@ -54,7 +45,7 @@ def test_a_run_folder_that_takes_no_files_is_refused_at_start(tmp_path, capsys, 
         return temporary(*args, dir=dir, **kwargs)
 
     monkeypatch.setattr(tempfile, "TemporaryFile", refusing)
-    assert _one_sentence(capsys, "train", "tiny", "--dry-run", "--log.dir", tmp_path, "--log.profile_steps", "1") == (
+    assert one_sentence(capsys, "train", "tiny", "--dry-run", "--log.dir", tmp_path, "--log.profile_steps", "1") == (
         f"cannot write in {traces}: permission denied; give this user access to it or set log.dir to another "
         "folder (log.profile_steps writes there)")
 

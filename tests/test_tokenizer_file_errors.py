@@ -6,13 +6,12 @@ injected at the read (the test may run as root, whom permissions do not stop).""
 from __future__ import annotations
 
 import errno
-import pathlib
 
 import pytest
 from chat_data import make_tokenizer
+from file_faults import one_sentence, refuse_reads
 from layouts import tiny_config
 
-from fivefold.cli import main
 from fivefold.config import DataConfig
 from fivefold.config.file_errors import FileProblem
 from fivefold.train import trainer
@@ -42,17 +41,6 @@ def _cut_short(path):
     path.write_bytes(path.read_bytes()[:300])
 
 
-def _refuse_reads(monkeypatch, path, code):
-    read_bytes = pathlib.Path.read_bytes
-
-    def refusing(self):
-        if self == path:
-            raise OSError(code, "injected", str(self))
-        return read_bytes(self)
-
-    monkeypatch.setattr(pathlib.Path, "read_bytes", refusing)
-
-
 def _rank_reads(tok) -> str:
     """What a rank does with data.tokenizer on a raw-text source (train/data.py)."""
     with pytest.raises(FileProblem) as err:
@@ -75,7 +63,7 @@ def test_on_the_rank_not_a_tokenizer(tok):
 
 
 def test_on_the_rank_the_storage_fails(tok, monkeypatch):
-    _refuse_reads(monkeypatch, tok, errno.EIO)
+    refuse_reads(monkeypatch, tok, errno.EIO, method="read_bytes")
     assert _rank_reads(tok) == f"cannot read tokenizer {tok}: {EIO} or give data.tokenizer another copy of it"
 
 
@@ -101,7 +89,7 @@ def test_the_chat_templates_pad_token(tok, monkeypatch, damage):
     if damage == "cut_short":
         _cut_short(tok)
     else:
-        _refuse_reads(monkeypatch, tok, errno.EACCES)
+        refuse_reads(monkeypatch, tok, errno.EACCES, method="read_bytes")
     with pytest.raises(FileProblem) as err:
         load_template(str(tok))
     if damage == "cut_short":
@@ -112,24 +100,15 @@ def test_the_chat_templates_pad_token(tok, monkeypatch, damage):
                                   "give tokenizer another copy of it")
 
 
-def _one_sentence(capsys, *argv) -> str:
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0].removeprefix("error: ")
-
-
 def test_prepare_and_generate_name_the_damaged_tokenizer(tok, tmp_path, capsys, monkeypatch):
     _cut_short(tok)
-    assert _one_sentence(capsys, "prepare", tok.parent / "corpus.txt", "--tokenizer", tok, "--out",
+    assert one_sentence(capsys, "prepare", tok.parent / "corpus.txt", "--tokenizer", tok, "--out",
                          tmp_path / "data").startswith(f"--tokenizer '{tok}' is not a Hugging Face tokenizer.json (")
     assert not (tmp_path / "data").exists()
     hf = tmp_path / "hf"
     from fivefold.models.hf_stream import make_random_hf_llama
 
     make_random_hf_llama(hf, hidden=16, layers=1, heads=2, kv_heads=1, ffn=32, vocab=512)
-    _refuse_reads(monkeypatch, tok, errno.EIO)
-    assert _one_sentence(capsys, "generate", hf, "--prompt", "hi", "--tokenizer", tok) == (
+    refuse_reads(monkeypatch, tok, errno.EIO, method="read_bytes")
+    assert one_sentence(capsys, "generate", hf, "--prompt", "hi", "--tokenizer", tok) == (
         f"cannot read tokenizer {tok}: {EIO} or give --tokenizer another copy of it")
