@@ -13,11 +13,11 @@ Every problem is a `ConfigError` holding one sentence that names the key and the
 from fivefold.config.errors import ConfigError
 from fivefold.config.load import CliText, config_from_dict, load_config, parse_overrides, to_toml
 from fivefold.config.schema import (BACKENDS, CP_METHODS, PP_SCHEDULES, ZERO_STAGES, CheckpointConfig, ClusterConfig,
-                                    Config, DataConfig, DebugConfig, LogConfig, ModelConfig, MoEConfig, ParallelConfig,
+                                    Config, DataConfig, DebugConfig, LogConfig, LoraConfig, ModelConfig, MoEConfig, ParallelConfig,
                                     TrainConfig, micro_batches)
 from fivefold.config.validate import validate
 
 __all__ = ["BACKENDS", "CP_METHODS", "PP_SCHEDULES", "ZERO_STAGES", "CheckpointConfig", "CliText", "ClusterConfig",
-           "Config", "ConfigError", "DataConfig", "DebugConfig", "LogConfig", "ModelConfig", "MoEConfig",
+           "Config", "ConfigError", "DataConfig", "DebugConfig", "LogConfig", "LoraConfig", "ModelConfig", "MoEConfig",
            "ParallelConfig", "TrainConfig", "config_from_dict", "load_config", "micro_batches", "parse_overrides",
            "to_toml", "validate"]

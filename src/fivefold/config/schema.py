@@ -274,6 +274,20 @@ class ClusterConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA: low-rank adapters trained beside frozen base weights (docs/fine-tuning.md#lora).
+
+    Beside each targeted linear layer, y = W x + (alpha / rank) · B A dropout(x), with A random and
+    B zero at the start; only A and B are trained, reduced and saved with their optimizer state."""
+    rank: int = checked(0, ge=0, note="0 = off")  # the adapters' rank r; 0 = off (every weight trained)
+    alpha: float = checked(16.0, gt=0)  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = checked(0.0, ge=0, lt=1)  # dropout on the adapters' input (PEFT's lora_dropout)
+    # Which linear layers get adapters: kinds (attention, mlp, experts) joined by '|', or re:PATTERN
+    # searched in the single-device weight name (e.g. 're:attention\\.w[qv]'), as train.param_groups selects
+    targets: str = "attention|mlp"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -283,6 +297,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

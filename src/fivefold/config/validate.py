@@ -14,6 +14,7 @@ import dataclasses
 from fivefold.config.checks import check_fields
 from fivefold.config.errors import ConfigError, require as _require
 from fivefold.config.families import FAMILIES
+from fivefold.config.lora import check_lora
 from fivefold.config.pipeline_rules import micro_batch_problem, pipeline_problem
 from fivefold.config.schedules import SPLIT_BACKWARD_SCHEDULES
 from fivefold.config.schema import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ParallelConfig, micro_batches  # noqa: F401
@@ -272,6 +273,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _check_train(cfg)
     _check_parallel(cfg, world_size)
     check_optimizer(cfg)
+    check_lora(cfg)
     check_data(cfg)
     check_checkpoint(cfg)
     check_log(cfg, world_size)
