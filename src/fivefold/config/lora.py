@@ -67,6 +67,9 @@ def check_lora(cfg) -> None:
         raise ConfigError(f"lora.rank={lora.rank} trains its adapters with AdamW only, but train.optimizer or "
                           "train.param_groups names muon; set train.optimizer = adamw and drop optimizer=muon "
                           "from train.param_groups, or set lora.rank = 0")
+    if cfg.parallel.ep_replicas:
+        raise ConfigError(f"lora.rank={lora.rank} does not run with parallel.ep_replicas={cfg.parallel.ep_replicas} "
+                          "yet (the replica slots would train frozen expert copies); set parallel.ep_replicas = 0")
     if t.fp8:
         raise ConfigError(f"lora.rank={lora.rank} does not run with train.fp8='{t.fp8}' yet (the FP8 "
                           "projections would drop the adapters beside them); set train.fp8 = \"\" or lora.rank = 0")

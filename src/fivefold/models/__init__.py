@@ -8,16 +8,22 @@ without torch; the functions below import the family's code when called.
 from __future__ import annotations
 
 
-def build_meta_model(cfg):
+def build_meta_model(cfg, lora=None):
     """The model's structure without memory: parameters and buffers on the meta device. Training
     splits and shards it there, then each rank materialises only its own pieces
-    (parallel/materialize.py) with `initial_values(cfg, seed)` or weights read from files."""
+    (parallel/materialize.py) with `initial_values(cfg, seed)` or weights read from files.
+    `lora`: the [lora] section; with a rank, the adapters beside their layers (models/lora.py)."""
     import torch
 
     from fivefold.models.registry import model_spec
 
     with torch.device("meta"):
-        return model_spec(cfg).build(cfg)
+        model = model_spec(cfg).build(cfg)
+    if lora is not None and lora.rank:
+        from fivefold.models.lora import add_adapters
+
+        add_adapters(model, lora)
+    return model
 
 
 def build_model(cfg, seed: int):

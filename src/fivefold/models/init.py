@@ -46,6 +46,17 @@ def _generator(seed: int, name: str, tile: tuple[int, ...]) -> torch.Generator:
 def seeded_normal(seed: int, name: str, shape, std: float, offsets=None, sizes=None) -> torch.Tensor:
     """N(0, std²) values of the box [offsets, offsets + sizes) of the whole tensor `name` of
     `shape` (the whole tensor by default), equal to the same box cut from the whole tensor."""
+    return _tiled(torch.randn, seed, name, shape, offsets, sizes).mul_(std)
+
+
+def seeded_uniform(seed: int, name: str, shape, bound: float, offsets=None, sizes=None) -> torch.Tensor:
+    """U(-bound, bound) values of a box of the whole tensor `name`, tile by tile as `seeded_normal`."""
+    return _tiled(torch.rand, seed, name, shape, offsets, sizes).mul_(2 * bound).sub_(bound)
+
+
+def _tiled(draw, seed: int, name: str, shape, offsets=None, sizes=None) -> torch.Tensor:
+    """The box [offsets, offsets + sizes) of the whole tensor whose every tile is `draw(extent,
+    generator=...)` from the tile's own generator."""
     shape = tuple(shape)
     offsets = tuple(offsets) if offsets is not None else (0,) * len(shape)
     sizes = tuple(sizes) if sizes is not None else shape
@@ -57,14 +68,14 @@ def seeded_normal(seed: int, name: str, shape, std: float, offsets=None, sizes=N
     for tile in itertools.product(*ranges):
         start = [i * t for i, t in zip(tile, tiles)]
         extent = [min(t, n - s) for t, n, s in zip(tiles, shape, start)]
-        values = torch.randn(extent, generator=_generator(seed, name, tile))
+        values = draw(extent, generator=_generator(seed, name, tile))
         # The overlap of this tile with the box, in tile and in box coordinates.
         lo = [max(s, o) for s, o in zip(start, offsets)]
         hi = [min(s + e, o + n) for s, e, o, n in zip(start, extent, offsets, sizes)]
         in_tile = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))
         in_box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
         out[in_box] = values[in_tile]
-    return out.mul_(std)
+    return out
 
 
 def constant(value: float, sizes) -> torch.Tensor:

@@ -120,6 +120,10 @@ class Experts(nn.Module):
         """The experts with each stacked tensor read through `local` (tensor parallelism: its local
         tensor, parallel/tensor/apply.py)."""
         biases = tuple(local(getattr(self, b)) for b in ("b1", "b2", "b3")) if hasattr(self, "b1") else None
+        if hasattr(self, "lora_scaling"):  # adapters beside some projections (models/lora.py)
+            from fivefold.models.lora_experts import adapted_swiglu
+
+            return adapted_swiglu(self, x, counts, local, biases)
         return grouped_swiglu(x, local(self.w1), local(self.w2), local(self.w3), counts, biases, self.activation)
 
 

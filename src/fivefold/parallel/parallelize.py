@@ -15,6 +15,7 @@ from torch import nn
 from fivefold.config import Config
 from fivefold.mesh import ParallelDims
 from fivefold.models.init import Fill
+from fivefold.models.lora import freeze_all_but_adapters
 from fivefold.models.moe import moe_layers
 from fivefold.models.registry import model_spec
 from fivefold.models.spec import ModelSpec
@@ -76,6 +77,8 @@ def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: Parall
                      token_mesh=mesh["cp"] if dims.cp > 1 else None)
     if dims.cp > 1:
         apply_context_parallel(part, spec.attention_core, mesh["cp"], cfg.parallel.cp_method)
+    if cfg.lora.rank:  # after the steps above, which make new parameters (trainable by default)
+        freeze_all_but_adapters(part)
     apply_recompute(part.layers, cfg.train.recompute, lambda index: spec.block_plan(cfg.model, index),
                     stream_split=dims.tp if dims.tp > 1 and cfg.parallel.sp else 1,
                     compute_bytes=2 if cfg.train.dtype == "bf16" else 4)

@@ -73,6 +73,7 @@ def build_rank(cfg: Config, rank: int) -> dict:
     """Construct rank `rank` of the config's layout here; the report of what it holds."""
     from fivefold.mesh import ParallelDims
     from fivefold.models import build_meta_model, initial_values
+    from fivefold.models.lora import adapter_initial_values
     from fivefold.parallel.parallelize import parallelize
 
     store_class = fake_store_class()  # imports torch.testing._internal: only here
@@ -82,8 +83,9 @@ def build_rank(cfg: Config, rank: int) -> dict:
     start = time.perf_counter()
     dist.init_process_group("fake", store=store_class(), rank=rank, world_size=dims.world_size)
     try:
-        par = parallelize(build_meta_model(cfg.model), dims, cfg, torch.device("cpu"),
-                          initial_values(cfg.model, cfg.train.seed))
+        fill = initial_values(cfg.model, cfg.train.seed)
+        par = parallelize(build_meta_model(cfg.model, cfg.lora), dims, cfg, torch.device("cpu"),
+                          adapter_initial_values(fill, cfg.train.seed) if cfg.lora.rank else fill)
         seconds = time.perf_counter() - start
         held = held_state_bytes(par)
     finally:

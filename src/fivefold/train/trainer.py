@@ -19,6 +19,7 @@ import torch
 from fivefold.config import Config, ConfigError, micro_batches
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
+from fivefold.models.lora import adapter_initial_values
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
 from fivefold.plan.model_stats import model_stats
@@ -64,9 +65,9 @@ def setup(cfg: Config, rt: Runtime | None = None) -> tuple[Runtime, Parallelized
     check_supported(cfg)
     init_process_group(rt, cfg.parallel.timeout_s, cfg.parallel.backend)
     dims = ParallelDims.from_config(cfg.parallel)
-    model = build_meta_model(cfg.model)  # each rank materialises only its pieces, in parallelize
+    model = build_meta_model(cfg.model, cfg.lora)  # each rank materialises only its pieces, in parallelize
     fill = initial_weights(cfg)
-    par = parallelize(model, dims, cfg, rt.device, fill)
+    par = parallelize(model, dims, cfg, rt.device, adapter_initial_values(fill, cfg.train.seed) if cfg.lora.rank else fill)
     if hasattr(fill, "close"):  # a folder's memory maps: read pages would count in this rank's RSS
         fill.close()
         if rt.is_main and fill.dequantised:

@@ -38,7 +38,7 @@ def optimizer_settings(cfg: Config) -> dict:
     from fivefold.config.param_groups import settings_by_name
     from fivefold.models import build_meta_model
 
-    return settings_by_name(cfg.train, build_meta_model(cfg.model))
+    return settings_by_name(cfg.train, build_meta_model(cfg.model, cfg.lora))
 
 
 def _build(parts, dims, mesh, cfg: Config, pipeline, settings: dict) -> DataParallel:

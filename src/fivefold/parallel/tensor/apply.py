@@ -24,6 +24,7 @@ from torch import nn
 
 from fivefold.models.moe import Experts
 from fivefold.models.spec import TP, ModelSpec
+from fivefold.parallel.tensor.lora import carry_adapter, carry_expert_attributes
 from fivefold.parallel.tensor.layers import (ColumnParallelLinear, HeadSplitValues, PartialGradLinear,
                                          PartialRMSNorm, RowParallelLinear, TensorParallelGroup,
                                          VocabParallelEmbedding, VocabParallelOutput, _SumValues)
@@ -94,6 +95,7 @@ def _apply_style(root: nn.Module, path: str, style: str, group: TensorParallelGr
     if style not in replacements:
         raise ValueError(f"tensor-parallel plan gives {path} the unknown style '{style}'; use one of {TP.ALL}")
     root.set_submodule(path, replacements[style]())
+    carry_adapter(module, root.get_submodule(path), style, group)
 
 
 def _replicate_moe(moe: nn.Module, group: TensorParallelGroup) -> None:
@@ -147,6 +149,7 @@ class PartialGradExperts(Experts):
             setattr(self, name, nn.Parameter(distribute_tensor(whole.detach(), group.mesh, [Replicate()],
                                                                src_data_rank=None)))
         self.activation = experts.activation
+        carry_expert_attributes(experts, self)
 
     def forward(self, x, counts: list[int]):
         return self.apply_weights(x, counts, _partial_local)

@@ -1,0 +1,135 @@
+"""LoRA ([lora], models/lora.py): adapters beside the targeted linear layers, the base frozen.
+
+One 2-rank spawn trains every layout (dp at zero 0/1/2/3, tp2, pp2 with 1f1b and zbv, cp2, an MoE
+with adapters on its experts at dp2·ep2 and at tp2) and each must equal the single-process LoRA
+run under the harness rule (tests/layouts.py); in every layout the base weights end bit for bit
+as they started, and only the adapters hold gradients and optimizer state."""
+
+import pytest
+import torch
+
+from layouts import TP_WEIGHT_ATOL, assert_same_run, reference, run_layout, tiny_config
+from ranks import run_on_ranks
+
+from fivefold.config import ConfigError
+
+LORA = {"rank": 4, "alpha": 8.0}
+# lr 1e-2: the adapters' updates must move the run well beyond the bounds (B starts at zero).
+TRAIN = {"micro_batch": 2, "steps": 4, "lr": 1e-2}
+MOE = {"moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}}
+
+
+def _lora(model=None, targets="attention|mlp", **parallel) -> dict:
+    return {"model": model or {}, "parallel": parallel, "train": TRAIN, "lora": {**LORA, "targets": targets}}
+
+
+def _v_schedule() -> dict:
+    """Four stages in a V on two ranks (zbv: the backward split into input and weight passes)."""
+    layout = _lora({"n_layers": 4}, pp=2, pp_schedule="zbv", pp_virtual=2)
+    return {**layout, "train": {**TRAIN, "micro_batch": 1}}
+
+
+LAYOUTS = {"dp2 zero0": _lora(dp=2, zero=0), "dp2 zero1": _lora(dp=2, zero=1),
+           "dp2 zero2": _lora(dp=2, zero=2), "dp2 zero3": _lora(dp=2, zero=3),
+           "tp2": _lora(tp=2), "pp2 1f1b": _lora(pp=2), "pp2 zbv": _v_schedule(), "cp2": _lora(cp=2),
+           "moe dp2 ep2 zero1": _lora(MOE, "attention|mlp|experts", dp=2, ep=2, zero=1),
+           "moe tp2": _lora(MOE, "attention|mlp|experts", tp=2)}
+
+
+def two_ranks() -> dict:
+    return {label: run_layout(layout) for label, layout in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_on_ranks(2, two_ranks)
+
+
+def _atol(label: str) -> float:
+    return TP_WEIGHT_ATOL if "tp" in label else 1e-5
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_layout_matches_the_single_process_lora_run(runs, label):
+    want = reference(LAYOUTS[label])
+    for rank, results in enumerate(runs):
+        assert_same_run(results[label], want, weight_atol=_atol(label), label=f"lora {label} rank {rank}")
+
+
+def _initial(settings: dict) -> dict[str, torch.Tensor]:
+    """The seeded initial value of every weight of the settings' model."""
+    from fivefold.models import build_meta_model, initial_values
+
+    cfg = tiny_config(settings)
+    fill = initial_values(cfg.model, cfg.train.seed)
+    return {name: fill(name, tuple(p.shape), (0,) * p.dim(), tuple(p.shape))
+            for name, p in build_meta_model(cfg.model).named_parameters()}
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_base_weights_end_bit_for_bit_as_they_started(runs, label):
+    initial = _initial(LAYOUTS[label])
+    for rank, results in enumerate(runs):
+        adapters = {n for n in results[label].weights if "lora_" in n}
+        assert adapters and set(results[label].weights) - adapters == set(initial)
+        for name, value in initial.items():
+            assert torch.equal(results[label].weights[name], value), f"{label} rank {rank}: {name} moved"
+
+
+def test_the_adapters_learn():
+    """The single process: the adapted run leaves the base run's path after step 1 (B starts at zero,
+    so step 1 is the base model's loss), and its adapters' B moved from zero."""
+    want = reference(LAYOUTS["dp2 zero1"])
+    base = reference({"train": TRAIN})
+    assert want.losses[0] == base.losses[0]
+    assert all(abs(a - b) > 1e-4 for a, b in zip(want.losses[1:], base.losses[1:]))
+    moved = [n for n, t in want.weights.items() if n.endswith("lora_B.weight") and t.abs().max() > 1e-3]
+    assert len(moved) == 2 * 7, moved  # wq wk wv wo w1 w2 w3 in each of the 2 layers
+
+
+def _adapter_elements(settings: dict) -> int:
+    return sum(t.numel() for n, t in reference(settings).weights.items() if "lora_" in n)
+
+
+@pytest.mark.parametrize("label", ["dp2 zero0", "dp2 zero1"])
+def test_only_adapters_hold_gradients_and_optimizer_state(runs, label):
+    """fp32 AdamW: two moments per adapter element and one gradient, nothing for the frozen base
+    (whose weights alone are 11x the adapters'). Zero 1 keeps the whole gradient bucket, and for
+    the half of the elements it owns their gradient chunk, fp32 master and two moments."""
+    elements = _adapter_elements(LAYOUTS[label])
+    for results in runs:
+        held = results[label].state_bytes
+        if label == "dp2 zero0":
+            assert held == {"params": 4 * elements, "grads": 4 * elements, "optimizer": 8 * elements}, (held, elements)
+        else:
+            assert held["params"] == 4 * elements, (held, elements)
+            assert 6 * elements <= held["grads"] <= 6 * elements + 64, (held, elements)
+            assert 6 * elements <= held["optimizer"] <= 6 * elements + 64, (held, elements)
+
+
+def test_one_process_holds_only_adapter_state():
+    elements = _adapter_elements(LAYOUTS["dp2 zero0"])
+    held = reference(LAYOUTS["dp2 zero0"]).state_bytes
+    assert held["optimizer"] == 8 * elements and held["grads"] == 4 * elements, (held, elements)
+
+
+@pytest.mark.parametrize("lora,problem", [
+    ({"targets": "attn"}, "lora.targets='attn': 'attn' is not a kind"),
+    ({"targets": "re:["}, "is not a regular expression"),
+    ({"dropout": 1.0}, "lora.dropout must be in [0, 1)"),
+    ({"rank": -1}, "lora.rank must be >= 0"),
+])
+def test_a_bad_lora_key_is_one_sentence(lora, problem):
+    from fivefold.config import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(tiny_config({"lora": {**LORA, **lora}}))
+    assert problem in str(err.value) and "\n" not in str(err.value)
+
+
+def test_lora_with_muon_is_refused():
+    from fivefold.config import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(tiny_config({"lora": LORA, "train": {"optimizer": "muon"}}))
+    assert str(err.value).startswith("lora.rank=4 trains its adapters with AdamW only")
