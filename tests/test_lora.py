@@ -101,6 +101,8 @@ def test_only_adapters_hold_gradients_and_optimizer_state(runs, label):
         held = results[label].state_bytes
         if label == "dp2 zero0":
             assert held == {"params": 4 * elements, "grads": 4 * elements, "optimizer": 8 * elements}, (held, elements)
+            # The step's all-reduce carries the adapters' gradients (and a few scalars), not the base's.
+            assert 4 * elements <= results[label].comm["dp"] <= 4 * elements + 64, (results[label].comm, elements)
         else:
             assert held["params"] == 4 * elements, (held, elements)
             assert 6 * elements <= held["grads"] <= 6 * elements + 64, (held, elements)
@@ -133,3 +135,53 @@ def test_lora_with_muon_is_refused():
     with pytest.raises(ConfigError) as err:
         validate(tiny_config({"lora": LORA, "train": {"optimizer": "muon"}}))
     assert str(err.value).startswith("lora.rank=4 trains its adapters with AdamW only")
+
+
+def _adapted_model(settings: dict):
+    """A real single-device model of the settings with adapters, B drawn at random (B = 0 would
+    hide a wrong B·A)."""
+    from fivefold.models import build_model
+    from fivefold.models.lora import add_adapters, adapter_initial_values, is_adapter
+
+    cfg = tiny_config(settings)
+    model = build_model(cfg.model, cfg.train.seed)
+    add_adapters(model, cfg.lora)
+    fill = adapter_initial_values(lambda *box: None, cfg.train.seed)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_adapter(name):
+                param.copy_(fill(name, tuple(param.shape), (0,) * param.dim(), tuple(param.shape)))
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator))
+    return cfg, model
+
+
+def test_an_adapted_linear_adds_the_scaled_low_rank_product():
+    """y = W x + (alpha / rank) B A x, with A drawn within PEFT's Kaiming bound 1/sqrt(in)."""
+    cfg, model = _adapted_model(LAYOUTS["dp2 zero0"])
+    wq = model.layers["0"].attention.wq
+    a, b = wq.lora_A.weight, wq.lora_B.weight
+    assert a.shape == (4, 64) and b.shape == (wq.out_features, 4)
+    assert 0.9 / 8 < a.abs().max() <= 1 / 8  # U(-1/sqrt(64), 1/sqrt(64))
+    x = torch.randn(3, 64)
+    want = x @ wq.weight.T + (cfg.lora.alpha / cfg.lora.rank) * (x @ a.T @ b.T)
+    torch.testing.assert_close(wq(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_adapted_experts_add_each_experts_low_rank_product():
+    """The grouped path against one matmul per expert, written out: each projection of expert e
+    gets (alpha / rank) B_e A_e beside it."""
+    import torch.nn.functional as F
+
+    cfg, model = _adapted_model(LAYOUTS["moe dp2 ep2 zero1"])
+    experts = model.layers["0"].feed_forward.experts
+    counts, scale = [3, 0, 5, 2], cfg.lora.alpha / cfg.lora.rank
+    x = torch.randn(sum(counts), 64)
+
+    def project(name, rows, e):
+        a, b = getattr(experts, f"{name}_lora_A")[e], getattr(experts, f"{name}_lora_B")[e]
+        return F.linear(rows, getattr(experts, name)[e]) + scale * F.linear(F.linear(rows, a), b)
+    want = torch.cat([project("w2", F.silu(project("w1", part, e)) * project("w3", part, e), e)
+                      for e, part in enumerate(x.split(counts))])
+    torch.testing.assert_close(experts(x, counts), want, rtol=1e-5, atol=1e-5)
