@@ -36,13 +36,57 @@ LAYOUTS = {"dp2 zero0": _lora(dp=2, zero=0), "dp2 zero1": _lora(dp=2, zero=1),
            "moe tp2": _lora(MOE, "attention|mlp|experts", tp=2)}
 
 
-def two_ranks() -> dict:
-    return {label: run_layout(layout) for label, layout in LAYOUTS.items()}
+# Resume: "dp2 zero1" saves at step 2 of 4; the same layout continues bit for bit, and tp2, zero 3, pp2
+# and one process (test_resume_on_one_process) within the layout tolerances.
+SAVED = "dp2 zero1"
+RESUMES = ("dp2 zero1", "tp2", "dp2 zero3", "pp2 1f1b")
+# From a transformers-made Llama folder (model.init_from): the base read from its files, saved by
+# dp2 zero2 at step 2 and continued under tp2, whose base is read from the folder again.
+HF_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+                max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+def _from_folder(folder: str, **parallel) -> dict:
+    return {**_lora(**parallel), "model": {"init_from": folder}}
+
+
+def _checkpointed(layout: dict, **keys) -> dict:
+    return {**layout, "checkpoint": keys}
+
+
+def two_ranks(root: str, folder: str) -> dict:
+    out = {label: run_layout(_checkpointed(layout, dir=root, every=2) if label == SAVED else layout)
+           for label, layout in LAYOUTS.items()}
+    for label in RESUMES:
+        out[f"resumed {label}"] = run_layout(_checkpointed(LAYOUTS[label], resume=f"{root}/step_00000002"))
+    out["folder dp2 zero2"] = run_layout(_checkpointed(_from_folder(folder, dp=2, zero=2), dir=f"{root}/hf", every=2))
+    out["folder resumed tp2"] = run_layout(_checkpointed(_from_folder(folder, tp=2), resume=f"{root}/hf/step_00000002"))
+    return out
+
+
+def _hf_folder(path, seed: int) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**HF_SHAPE)).float().save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_on_ranks(2, two_ranks)
+def folder(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return _hf_folder(tmp_path_factory.mktemp("hf_llama"), 0)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("lora-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def runs(root, folder):
+    return run_on_ranks(2, two_ranks, root, folder)
 
 
 def _atol(label: str) -> float:
@@ -185,3 +229,76 @@ def test_adapted_experts_add_each_experts_low_rank_product():
     want = torch.cat([project("w2", F.silu(project("w1", part, e)) * project("w3", part, e), e)
                       for e, part in enumerate(x.split(counts))])
     torch.testing.assert_close(experts(x, counts), want, rtol=1e-5, atol=1e-5)
+
+
+def _continued(reference_run, steps_done: int):
+    """The uninterrupted single-process run from step `steps_done` + 1 on (the tolerance rule's noise kept)."""
+    import dataclasses
+
+    return dataclasses.replace(reference_run, losses=reference_run.losses[steps_done:],
+                               grad_norms=reference_run.grad_norms[steps_done:])
+
+
+def test_same_layout_resume_is_bit_for_bit(runs):
+    """The adapters and their AdamW moments come back exactly, and the base from the seed again."""
+    for rank, results in enumerate(runs):
+        full, resumed = results[SAVED], results[f"resumed {SAVED}"]
+        assert resumed.losses == full.losses[2:] and resumed.grad_norms == full.grad_norms[2:], f"rank {rank}"
+        for name, tensor in full.weights.items():
+            assert torch.equal(resumed.weights[name], tensor), f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("label", [label for label in RESUMES if label != SAVED])
+def test_resume_under_another_layout(runs, label):
+    want = _continued(reference(LAYOUTS[SAVED]), 2)
+    for rank, results in enumerate(runs):
+        assert_same_run(results[f"resumed {label}"], want, weight_atol=_atol(label),
+                        label=f"lora resumed under {label} rank {rank}")
+
+
+def test_resume_on_one_process(runs, root):
+    got = run_layout(_checkpointed(_lora(), resume=f"{root}/step_00000002"))
+    assert_same_run(got, _continued(reference(LAYOUTS[SAVED]), 2), label="lora resumed on one process")
+
+
+def test_the_checkpoint_holds_adapters_not_the_base(runs, root):
+    """Every tensor saved is an adapter or its AdamW moment (or the RNG state): 8192 adapter
+    elements three times, where the base alone is 90432."""
+    from fivefold.models.lora import is_adapter
+    from fivefold.train import sharded_io
+
+    stored = sharded_io.shapes(f"{root}/step_00000002")
+    kinds = {key.split("/", 1)[0] for key in stored}
+    assert kinds == {"model", "exp_avg", "exp_avg_sq", "rng"}, kinds
+    saved = [key.split("/", 1)[1] for key in stored if not key.startswith("rng/")]
+    assert saved and all(is_adapter(name) for name in saved), [n for n in saved if not is_adapter(n)]
+    assert len(saved) == 3 * 2 * 7 * 2  # model, two moments x 2 layers x 7 projections x (A, B)
+
+
+def test_folder_base_trains_as_one_process_and_resumes(runs, folder):
+    want = reference(_from_folder(folder))
+    for rank, results in enumerate(runs):
+        assert_same_run(results["folder dp2 zero2"], want, label=f"lora from a folder dp2 zero2 rank {rank}")
+        assert_same_run(results["folder resumed tp2"], _continued(want, 2), weight_atol=TP_WEIGHT_ATOL,
+                        label=f"lora from a folder resumed under tp2 rank {rank}")
+    initial = {name: t for name, t in want.weights.items() if "lora_" not in name}
+    from fivefold.models.hf import hf_box_reader
+
+    read = hf_box_reader(folder)[1]
+    for name, value in initial.items():  # the base stayed the folder's weights
+        assert torch.equal(value, read(name, tuple(value.shape), (0,) * value.dim(), tuple(value.shape))), name
+
+
+def test_resume_refuses_another_base(runs, root, folder, tmp_path):
+    """Adapters resumed onto another base: another seed, or another folder, is one sentence."""
+    from fivefold.train.trainer import train
+
+    with pytest.raises(ConfigError, match=r"trained on the seeded initialisation of train.seed=3, and this run's "
+                                          r"base is the seeded initialisation of train.seed=4; resume with train.seed = 3"):
+        settings = _checkpointed(_lora(), resume=f"{root}/step_00000002")
+        train(tiny_config({**settings, "train": {**TRAIN, "seed": 4}}))
+    other = _hf_folder(tmp_path / "other", 1)
+    with pytest.raises(ConfigError, match=r"trained on model.init_from=.* bytes of safetensors.*point model.init_from at that base"):
+        train(tiny_config(_checkpointed(_from_folder(other), resume=f"{root}/hf/step_00000002")))
+    with pytest.raises(ConfigError, match=r"holds LoRA adapters of lora.rank=4 on lora.targets='attention\|mlp' and no base"):
+        train(tiny_config({**_checkpointed(_lora(), resume=f"{root}/step_00000002"), "lora": {**LORA, "rank": 8}}))

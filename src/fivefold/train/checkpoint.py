@@ -39,6 +39,7 @@ from fivefold.config import Config, ConfigError, to_toml
 from fivefold.config.file_errors import guarded
 from fivefold.train import checkpoint_manifest, resume_checks, resume_optimizer, sharded_io
 from fivefold.train.load_failures import EARLIER, state_problem, unreadable
+from fivefold.train.lora_base import check_lora_resume, lora_state
 from fivefold.train.save_failures import save_problem, storage_error
 from fivefold.train.faults import restart_count
 
@@ -122,7 +123,7 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
     state = {"format": FORMAT, "step": step, "optimizer_step": optimizer_step(optimizer),
              "sampler": sampler.state_dict(),
              "scheduler": {k: sched[k] for k in ("last_epoch", "_step_count", "base_lrs", "_last_lr")},
-             "model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"]}
+             "model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"], **lora_state(cfg)}
     if cfg.checkpoint.async_save:
         global _writer, _async_group
         if _async_group is None and dist.is_initialized():
@@ -337,10 +338,11 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
 
     state = read_state(path)
     resume_checks.check_model(path, state, cfg)
+    check_lora_resume(path, state, cfg)
     weights_only = bool(state.get("weights_only"))  # imported weights (fivefold convert)
     stored = sharded_io.shapes(path)
     then = resume_optimizer.saved_train(state, cfg.train)
-    check_shapes(path, stored, expected_tensors(cfg.model, with_optimizer=not weights_only, train=then),
+    check_shapes(path, stored, expected_tensors(cfg.model, with_optimizer=not weights_only, train=then, lora=cfg.lora),
                  "model" if weights_only else "model or optimizer")
     boxes = StateBoxes(par)
     tensors = boxes.model(for_load=True)

@@ -101,6 +101,8 @@ class StateBoxes:
         for name, param in self.params.items():
             if (name in self.tied_copies and not for_load) or id(param) in in_chunks:
                 continue
+            if not param.requires_grad:  # a frozen base (LoRA): it comes back from where it came
+                continue
             offsets, shape = self.origin(name, param)
             local = plain(local_tensor(param))
             self._add(out, self._key("model", name), shape, local.dtype, offsets, local.detach())

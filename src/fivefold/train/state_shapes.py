@@ -16,17 +16,23 @@ def expected_shapes(model) -> dict[str, tuple]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
 
 
-def expected_tensors(cfg_model, with_optimizer: bool, train=None) -> dict[str, tuple]:
+def expected_tensors(cfg_model, with_optimizer: bool, train=None, lora=None) -> dict[str, tuple]:
     """Checkpoint key -> whole shape this model needs (from a meta-device model: no memory); with
-    the optimizer, each parameter's state under `train` (the [train] section it was saved under)."""
+    the optimizer, each parameter's state under `train` (the [train] section it was saved under).
+    With `lora` (a [lora] section with a rank) the frozen base is not saved: only the adapters, with
+    their optimizer state, and the persistent buffers."""
     from fivefold.models import build_meta_model
+    from fivefold.models.lora import is_adapter
     from fivefold.train.resume_optimizer import STATE_KEYS, optimizers_by_name
 
-    model = build_meta_model(cfg_model)
+    model = build_meta_model(cfg_model, lora)
     shapes = expected_shapes(model)
+    if lora is not None and lora.rank:
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        shapes = {name: shape for name, shape in shapes.items() if is_adapter(name) or name not in params}
     out = {f"model/{name}": shape for name, shape in shapes.items()}
     if with_optimizer:
-        optimizers = optimizers_by_name(train, cfg_model)
+        optimizers = optimizers_by_name(train, cfg_model, lora)
         out.update({f"{key}/{name}": shape for name, shape in shapes.items() if name in optimizers
                     for key in STATE_KEYS[optimizers[name]]})
     return out

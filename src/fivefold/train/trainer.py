@@ -79,8 +79,9 @@ def setup(cfg: Config, rt: Runtime | None = None) -> tuple[Runtime, Parallelized
 
 def initial_weights(cfg: Config):
     """Where a rank's pieces get their first values: the seeded initialisation, or slices of a
-    Hugging Face folder (model.init_from) when the run does not resume from a checkpoint."""
-    if cfg.model.init_from and checkpoint.resolve(cfg) is None:
+    Hugging Face folder (model.init_from) when the run does not resume from a checkpoint, or when it
+    trains LoRA adapters (their checkpoints hold no base: it comes from the folder again)."""
+    if cfg.model.init_from and (checkpoint.resolve(cfg) is None or cfg.lora.rank):  # LoRA saves no base
         from fivefold.models.hf import hf_box_reader
 
         return hf_box_reader(cfg.model.init_from)[1]
