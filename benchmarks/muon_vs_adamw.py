@@ -1,7 +1,7 @@
 """Muon against AdamW: loss curves over the same tokens (an lr sweep each) and Muon's step-time cost per layout.
 
     OMP_NUM_THREADS=1 python benchmarks/muon_vs_adamw.py [--parts tiny,base,cost] [--jobs 2] \
-        [--tiny-steps 600] [--base-steps 100] [--cost-models tiny] [--rounds 7] \
+        [--tiny-steps 300] [--base-steps 100] [--cost-models tiny] [--rounds 7] \
         [--plot benchmarks/muon_vs_adamw.png] [--json OUT]
     OMP_NUM_THREADS=1 python benchmarks/muon_vs_adamw.py --measure-base     # s/step of the base model, to size --base-steps
     python benchmarks/muon_vs_adamw.py --from-json OUT                       # tables and plot again, without training
@@ -50,26 +50,29 @@ BASE = {"model": {"preset": "tiny", "dim": 768, "n_layers": 12, "n_heads": 12, "
 MODELS = {"tiny": TINY, "base": BASE}
 ADAMW_PART_AT_3E3 = "norm|bias|embedding: weight_decay=0, lr_scale={scale}"
 
-# name -> (train keys) per model; the usual lr of each is in the middle of its sweep.
+# name -> train keys, in the order they run (`--jobs` at a time): an AdamW run beside a Muon run,
+# the usual lr of each first, so that a run cut short by the machine still has the comparison.
 def sweep(model: str) -> dict[str, dict]:
+    adamw = lambda lr: {"optimizer": "adamw", "lr": lr}  # noqa: E731
+    muon = lambda lr: {"optimizer": "muon", "lr": lr}  # noqa: E731
     if model == "tiny":
-        runs = {f"adamw lr={lr:g}": {"optimizer": "adamw", "lr": lr} for lr in (1e-3, 3e-3, 6e-3, 1.2e-2)}
-        runs |= {f"muon lr={lr:g}": {"optimizer": "muon", "lr": lr} for lr in (0.01, 0.02, 0.04, 0.08)}
-        runs["muon lr=0.02, adamw part 3e-3"] = {"optimizer": "muon", "lr": 0.02,
-                                                 "param_groups": ADAMW_PART_AT_3E3.format(scale=3e-3 / 0.02)}
-        runs["muon match_rms_adamw lr=0.003"] = {"optimizer": "muon", "lr": 3e-3, "muon_adjust_lr": "match_rms_adamw"}
-        return runs
-    runs = {f"adamw lr={lr:g}": {"optimizer": "adamw", "lr": lr} for lr in (1e-3, 3e-3)}
-    runs |= {f"muon lr={lr:g}": {"optimizer": "muon", "lr": lr} for lr in (0.01, 0.02)}
-    return runs
+        return {"adamw lr=0.003": adamw(3e-3), "muon lr=0.02": muon(0.02),
+                "adamw lr=0.001": adamw(1e-3), "muon lr=0.01": muon(0.01),
+                "adamw lr=0.006": adamw(6e-3), "muon lr=0.04": muon(0.04),
+                "muon match_rms_adamw lr=0.003": {"optimizer": "muon", "lr": 3e-3, "muon_adjust_lr": "match_rms_adamw"},
+                "muon lr=0.02, adamw part 3e-3": {"optimizer": "muon", "lr": 0.02,
+                                                  "param_groups": ADAMW_PART_AT_3E3.format(scale=3e-3 / 0.02)},
+                "adamw lr=0.012": adamw(1.2e-2), "muon lr=0.08": muon(0.08)}
+    return {"adamw lr=0.001": adamw(1e-3), "muon lr=0.02": muon(0.02),
+            "adamw lr=0.003": adamw(3e-3), "muon lr=0.01": muon(0.01)}
 
 
-def config(model: str, steps: int, keys: dict, seed: int = 0, eval_every: int | None = None, parallel=None):
+def config(spec: dict, steps: int, keys: dict, seed: int = 0, eval_every: int | None = None, parallel=None):
+    """spec: MODELS[name] (passed whole: spawned workers do not see a --base-shape the parent applied)."""
     from fivefold.config import load_config
 
-    spec = MODELS[model]
     train_keys = {**spec["train"], "steps": steps, "seed": seed, **keys}
-    if model == "base":
+    if "warmup" not in spec["train"]:
         train_keys.setdefault("warmup", max(1, steps // 10))
     if eval_every is not None:
         train_keys["eval_every"] = eval_every
@@ -77,7 +80,7 @@ def config(model: str, steps: int, keys: dict, seed: int = 0, eval_every: int | 
                               "log": {"progress": False, "every": 0}})
 
 
-def train_run(model: str, steps: int, keys: dict, seed: int) -> dict:
+def train_run(spec: dict, steps: int, keys: dict, seed: int) -> dict:
     """One training run in this (worker) process: its curve and its held-out losses."""
     import torch
 
@@ -85,7 +88,7 @@ def train_run(model: str, steps: int, keys: dict, seed: int) -> dict:
 
     torch.set_num_threads(1)
     start = time.time()
-    result = train(config(model, steps, keys, seed, eval_every=max(1, steps // 5)))
+    result = train(config(spec, steps, keys, seed, eval_every=max(1, steps // 5)))
     losses = result.losses
     last = max(1, steps // 10)
     params = result.parallel.n_params
@@ -95,21 +98,27 @@ def train_run(model: str, steps: int, keys: dict, seed: int) -> dict:
             "wall_s": time.time() - start, "keys": keys, "seed": seed}
 
 
-def curves(model: str, steps: int, jobs: int, seeds: dict[str, list[int]]) -> dict:
+def curves(model: str, steps: int, jobs: int, extra_seeds: int, done_cb=lambda partial: None) -> dict:
     runs = sweep(model)
-    todo = [(name, seed) for name in runs for seed in seeds.get(name, [0])]
+    todo = [(name, 0) for name in runs]
+    if extra_seeds and model == "tiny":  # the usual lr of each optimizer again, other seeds: the seed noise
+        todo[6:6] = [(name, seed) for seed in range(1, extra_seeds + 1) for name in ("adamw lr=0.003", "muon lr=0.02")]
     out: dict[str, dict] = {}
+    spec = MODELS[model]["train"]
+    partial = {"steps": steps, "tokens_per_step": spec["seq_len"] * spec["global_batch"], "runs": out}
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        pending = {pool.submit(train_run, model, steps, runs[name], seed): (name, seed) for name, seed in todo}
+        pending = {pool.submit(train_run, MODELS[model], steps, runs[name], seed): (name, seed) for name, seed in todo}
         for done in futures.as_completed(pending):
             name, seed = pending[done]
             r = done.result()
             out[f"{name} seed={seed}" if seed else name] = r
             print(f"{model} {name} seed {seed}: final val {r['final_val']:.4f}, train {r['final_train']:.4f}, "
                   f"{r['step_s']:.2f} s/step, {r['wall_s']:.0f} s", flush=True)
-    return {"steps": steps, "tokens_per_step": MODELS[model]["train"]["seq_len"] * MODELS[model]["train"]["global_batch"],
-            "runs": {name: out[name] for name in sorted(out, key=lambda n: list(runs).index(n.split(" seed=")[0]))}}
+            done_cb(partial)
+    order = list(runs)
+    partial["runs"] = {n: out[n] for n in sorted(out, key=lambda n: (order.index(n.split(" seed=")[0]), n))}
+    return partial
 
 
 # ---- cost per layout -------------------------------------------------------------------------------
@@ -139,7 +148,7 @@ class _TwoClocks:
                 [self.cpu[3 * k + 2] - self.cpu[3 * k] for k in range(n)])
 
 
-def _timed_round(model: str, layout: dict, keys: dict, steps: int, warmup: int) -> tuple[float, float]:
+def _timed_round(spec: dict, layout: dict, keys: dict, steps: int, warmup: int) -> tuple[float, float]:
     import gc
 
     import fivefold.train.trainer as trainer_module
@@ -147,7 +156,7 @@ def _timed_round(model: str, layout: dict, keys: dict, steps: int, warmup: int) 
     clocks, saved = _TwoClocks(), trainer_module.time
     trainer_module.time = clocks
     try:
-        trainer_module.train(config(model, steps, {**keys, "warmup": 2, "schedule": "constant"}, parallel=layout))
+        trainer_module.train(config(spec, steps, {**keys, "warmup": 2, "schedule": "constant"}, parallel=layout))
     finally:
         trainer_module.time = saved
     wall, cpu = clocks.steps(steps)
@@ -155,7 +164,7 @@ def _timed_round(model: str, layout: dict, keys: dict, steps: int, warmup: int) 
     return statistics.median(wall[warmup:]), statistics.median(cpu[warmup:])
 
 
-def cost_on_rank(model: str, layout: dict, rounds: int, steps: int, warmup: int) -> dict:
+def cost_on_rank(spec: dict, layout: dict, rounds: int, steps: int, warmup: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -163,7 +172,7 @@ def cost_on_rank(model: str, layout: dict, rounds: int, steps: int, warmup: int)
     for r in range(rounds):
         order = list(OPTIMIZERS) if r % 2 == 0 else list(reversed(OPTIMIZERS))
         for name in order:
-            wall, cpu = _timed_round(model, layout, OPTIMIZERS[name], steps, warmup)
+            wall, cpu = _timed_round(spec, layout, OPTIMIZERS[name], steps, warmup)
             out[name]["wall"].append(wall)
             out[name]["cpu"].append(cpu)
     return out
@@ -179,7 +188,7 @@ def cost(models: list[str], rounds: int, steps: int, warmup: int, layouts: list[
         for name in layouts:
             layout = LAYOUTS[name]
             world = layout.get("dp", 1) * layout.get("tp", 1)
-            rank0 = run_on_ranks(world, cost_on_rank, model, layout, n_rounds, n_steps, n_warm, timeout_s=3600)[0]
+            rank0 = run_on_ranks(world, cost_on_rank, MODELS[model], layout, n_rounds, n_steps, n_warm, timeout_s=3600)[0]
             row = {"rounds": rank0}
             for clock in ("wall", "cpu"):
                 ratios = [m / a for a, m in zip(rank0["adamw"][clock], rank0["muon"][clock])]
@@ -286,7 +295,7 @@ def plot(results: dict, path: str) -> None:
 
 def measure_base(steps: int = 4) -> None:
     for name, keys in OPTIMIZERS.items():
-        r = train_run("base", steps, keys, 0)
+        r = train_run(BASE, steps, keys, 0)
         print(f"base {name}: {r['params'] / 1e6:.1f}M parameters, {r['step_s']:.2f} s/step (median of steps 3-{steps})",
               flush=True)
 
@@ -295,9 +304,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="tiny,base,cost")
     parser.add_argument("--jobs", type=int, default=2, help="training runs at a time")
-    parser.add_argument("--tiny-steps", type=int, default=600)
+    parser.add_argument("--tiny-steps", type=int, default=300)
     parser.add_argument("--base-steps", type=int, default=100)
-    parser.add_argument("--seeds", type=int, default=2, help="seeds of each optimizer's usual-lr run (tiny)")
+    parser.add_argument("--extra-seeds", type=int, default=1, help="more seeds of each optimizer's usual-lr run (tiny)")
+    parser.add_argument("--base-shape", default="768,12,12,2560", help="base model: dim,layers,heads,ffn")
     parser.add_argument("--cost-models", default="tiny")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--rounds", type=int, default=7)
@@ -310,6 +320,8 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print("note: run with OMP_NUM_THREADS=1 (each run and rank uses one thread)", file=sys.stderr)
+    dim, layers, heads, ffn = (int(v) for v in args.base_shape.split(","))
+    BASE["model"].update(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=heads, ffn_dim=ffn)
     if args.measure_base:
         measure_base()
         return
@@ -318,21 +330,23 @@ def main() -> None:
             results = json.load(f)
     else:
         results = {}
-        parts = args.parts.split(",")
-        seeds = {"adamw lr=0.003": list(range(args.seeds)), "muon lr=0.02": list(range(args.seeds))}
-        for part in parts:
-            if part == "tiny":
-                results["tiny"] = curves("tiny", args.tiny_steps, args.jobs, seeds)
-            elif part == "base":
-                results["base"] = curves("base", args.base_steps, args.jobs, {})
+
+        def save(_=None):
+            if args.json:
+                with open(args.json, "w") as out:
+                    json.dump(results, out)
+
+        for part in args.parts.split(","):
+            if part in ("tiny", "base"):
+                steps = args.tiny_steps if part == "tiny" else args.base_steps
+                results[part] = curves(part, steps, args.jobs, args.extra_seeds,
+                                       lambda partial, part=part: (results.__setitem__(part, partial), save()))
             elif part == "cost":
                 results["cost"] = cost(args.cost_models.split(","), args.rounds, args.steps, args.warmup,
                                        args.layouts.split(","))
             else:
                 raise SystemExit(f"unknown part {part!r}")
-            if args.json:
-                with open(args.json, "w") as out:
-                    json.dump(results, out)
+            save()
     print_tables(results)
     if args.plot:
         plot(results, args.plot)
