@@ -1,6 +1,6 @@
 """The layout search and validation refuse the same layouts: over every layout the search enumerates
 for each shipped config on 4 GPUs, the search's quick check (plan/search.py layout_problem, which
-reads config/pipeline_rules.py and config/validate_optimizer.py's optimizer_layout_problem) passes
+reads config/pipeline_rules.py) passes
 exactly the layouts fivefold.config.validate accepts, so the search never proposes a layout the
 trainer refuses, nor skips one it runs."""
 
@@ -18,12 +18,11 @@ GPUS = 4
 # finetune.toml takes its model from the folder a run of chat-demo-base.toml writes: that
 # config's layouts are checked, and finetune's model is the same one.
 NEEDS_A_RUN_FIRST = {"finetune"}
-# Every shipped config trains AdamW, which runs on every layout; Muon is refused on some
-# (config/validate_optimizer.py), so a few configs are also checked with it: fp32 and bf16 (tp alone
-# is refused only under bf16), a large dense model, an MoE in fp32 (where ep with tp is the rule that
-# refuses), and Muon chosen by a parameter group rather than by train.optimizer (refused either way).
-# The MoE is demo's small one: validation builds a meta-device model for each layout Muon runs on,
-# which for qwen3-30b-a3b's 128 experts x 48 layers alone takes ~7 s on one core.
+# Every shipped config trains AdamW. Muon runs on every layout too (tests/test_muon_compositions.py),
+# and a few configs are also checked with it so that no rule of its own creeps into one side only:
+# fp32 and bf16, a large dense model, an MoE, and Muon chosen by a parameter group rather than by
+# train.optimizer. The MoE is demo's small one: validation builds a meta-device model for each
+# layout Muon runs on, which for qwen3-30b-a3b's 128 experts x 48 layers alone takes ~7 s on one core.
 MUON = {"train": {"optimizer": "muon"}}
 MUON_VARIANTS = [
     ("tiny", MUON),

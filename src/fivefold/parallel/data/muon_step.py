@@ -1,15 +1,19 @@
 """Muon over ZeRO's flat master chunks (parallel/data/zero.py): each matrix orthogonalised whole,
-once, on the one rank of its bucket's group that owns it, without changing the math.
+once, on the one rank that owns it, without changing the math.
 
 A bucket holds Muon's matrices only (buckets never mix optimizer settings). Per bucket and step:
 1. every rank has its chunk of the momentum update (train/muon.py: elementwise, like the whole);
-2. the chunks are all-gathered: every rank sees the bucket's whole update;
-3. each rank orthogonalises the matrices it owns (torch's Newton–Schulz) into a zero buffer;
+2. the chunks are all-gathered over the bucket's data-parallel group: every rank sees the bucket's
+   whole update, which under tensor parallelism is this rank's tp shard of each matrix;
+3. whole matrices: each rank orthogonalises those it owns into a zero buffer. Tensor-parallel ones
+   (DTensors): each is gathered over its tp mesh too (`full_tensor`), its owner (one data-parallel
+   rank and one tp rank) orthogonalises it, and a sum over the tp mesh hands each tp rank its shard
+   of the result (zeros in every other data-parallel rank's buffer);
 4. the buffers are reduce-scattered: each rank receives its chunk of the orthogonalised update.
-   Every element has exactly one non-zero addend, so the sum is exact.
+   Every element has exactly one non-zero addend, so the sums are exact.
 Owners are chosen greedily, largest matrix first, to the least loaded rank by Newton–Schulz
 flops, the same on every rank (`shares` says each rank's part). Zero 0 and dp = 1 under bf16
-hold whole buckets: no collective, every matrix here. An expert's stacked tensor is one matrix per
+hold whole buckets: no data-parallel collective. An expert's stacked tensor is one matrix per
 expert.
 """
 
@@ -18,7 +22,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fivefold.parallel.grad_norm import local_tensor
+from torch.distributed.tensor import DTensor
+
+from fivefold.parallel.muon_dtensor import DTensorMatrices, owner_to_shards
 from fivefold.parallel.muon_matrices import newton_schulz, ns_flops, shares_note, whole_matrices
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -30,24 +36,48 @@ class ChunkMatrices:
 
     def __init__(self, buckets, chunks):
         self.buckets = {id(c): b for b, c in zip(buckets, chunks)}
-        self.owned: dict[int, list] = {}  # id(chunk) -> (start, end, shape) in the bucket this rank orthogonalises
-        self.shares = [0] * max([b.group_size for b in buckets] or [1])  # flops per rank of a group
+        self.owned: dict[int, list] = {}  # id(chunk) -> (start, end, shape) of whole matrices this rank orthogonalises
+        self.sharded: dict[int, list] = {}  # id(chunk) -> (param, offset, size, owned here) of its DTensors
+        plain_load: dict[int, int] = {}  # data-parallel rank -> flops of whole matrices
+        sharded_load: dict[tuple, int] = {}  # (data-parallel rank, index in the tp mesh) -> flops
         for bucket, chunk in zip(buckets, chunks):
-            matrices = [(offset + s, offset + e, shape) for param, offset in zip(bucket.params, bucket.offsets)
-                        for s, e, shape in whole_matrices(tuple(local_tensor(param).shape))]
-            load, mine = [0] * bucket.group_size, []
-            for matrix in sorted(matrices, key=lambda m: (-ns_flops(m[2]), m[0])):
-                owner = min(range(bucket.group_size), key=lambda r: (load[r], r))
-                load[owner] += ns_flops(matrix[2])
+            whole, sharded = [], []
+            for param, offset, size in zip(bucket.params, bucket.offsets, bucket.sizes):
+                if isinstance(param, DTensor):
+                    sharded.append((param, offset, size))
+                else:
+                    whole += [(offset + s, offset + e, shape) for s, e, shape in whole_matrices(tuple(param.shape))]
+            mine = []
+            for matrix in sorted(whole, key=lambda m: (-ns_flops(m[2]), m[0])):
+                owner = min(range(bucket.group_size), key=lambda r: (plain_load.get(r, 0), r))
+                plain_load[owner] = plain_load.get(owner, 0) + ns_flops(matrix[2])
                 if owner == bucket.group_rank:
                     mine.append(matrix)
             self.owned[id(chunk)] = mine
-            self.shares = [a + b for a, b in zip(self.shares, load + [0] * (len(self.shares) - len(load)))]
-            bucket.muon_matrices = matrices
+            self.sharded[id(chunk)] = self._sharded_owners(bucket, sharded, sharded_load)
+            bucket.muon_matrices = whole + [(offset + s, offset + e, shape) for param, offset, _ in sharded
+                                            for s, e, shape in DTensorMatrices.local_matrices(param)]
+        plain = [plain_load.get(r, 0) for r in range(max([b.group_size for b in buckets] or [1]))]
+        self.shares = ([flops + plain[g] for (g, _), flops in sorted(sharded_load.items())] if sharded_load
+                       else plain)
+
+    @staticmethod
+    def _sharded_owners(bucket, sharded, load: dict) -> list:
+        """(param, offset, size, owned here) for the bucket's DTensors, in bucket order: each
+        tensor's owner is the least-loaded (data-parallel rank, tp mesh index), largest first."""
+        owners = {}
+        for param, offset, _ in sorted(sharded, key=lambda t: (-DTensorMatrices.flops(t[0]), t[1])):
+            ranks = param.device_mesh.mesh.flatten().tolist()
+            slots = [(g, j) for g in range(bucket.group_size) for j in range(len(ranks))]
+            owner = min(slots, key=lambda slot: (load.get(slot, 0), slot))
+            load[owner] = load.get(owner, 0) + DTensorMatrices.flops(param)
+            owners[offset] = owner == (bucket.group_rank, ranks.index(dist.get_rank()))
+        return [(param, offset, size, owners[offset]) for param, offset, size in sharded]
 
     def describe(self, tensors=None) -> str:
+        gathered = "ZeRO chunks and tensor-parallel shards" if any(self.sharded.values()) else "ZeRO chunks"
         return shares_note("each matrix orthogonalised once, on one rank of its bucket's data-parallel group "
-                           "(ZeRO chunks gathered)", self.shares)
+                           f"({gathered} gathered)", self.shares)
 
     def matrices(self, chunk: torch.Tensor):
         """The matrices inside this chunk, clipped to it, with their whole shapes (for the lr)."""
@@ -66,6 +96,9 @@ class ChunkMatrices:
         out = torch.zeros(bucket.padded, dtype=update.dtype, device=update.device)
         for start, end, shape in self.owned[id(chunk)]:
             out[start:end] = newton_schulz(whole[start:end].view(shape)).reshape(-1)
+        for param, offset, size, owned in self.sharded[id(chunk)]:
+            shard = whole[offset:offset + size].view(param.to_local().shape)
+            out[offset:offset + size] = owner_to_shards(param, shard, owned).reshape(-1)
         if bucket.group is None:
             return out
         mine = torch.empty_like(update)
