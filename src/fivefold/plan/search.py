@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from fivefold.config import Config, ConfigError
 from fivefold.config.pipeline_rules import micro_batch_problem, pipeline_problem
-from fivefold.config.validate_optimizer import optimizer_layout_problem
 from fivefold.plan.estimate import Estimate, estimate
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout, config_with_layout
@@ -71,12 +70,9 @@ def layout_problem(cfg: Config, workload: Workload, layout: Layout, world: int |
     problem = pipeline_problem(layout.pp, layout.pp_virtual, layout.pp_schedule, stats.n_layers,
                                layout.pp_layers, layout.recompute, train.eval_every, stats.mtp_depth,
                                stats.tie_embeddings)
-    problem = problem or micro_batch_problem(layout.pp, layout.pp_virtual, layout.pp_schedule,
-                                             layout.micro_batches(workload.global_batch),
-                                             "lower mbs or dp, or raise train.global_batch")
-    # So are the optimizer's (config/validate_optimizer.py): Muon does not reach every layout yet.
-    return problem or optimizer_layout_problem(train.optimizer, train.param_groups, train.dtype, layout.dp,
-                                               layout.tp, layout.pp, layout.cp, layout.ep, layout.dp_shard)
+    return problem or micro_batch_problem(layout.pp, layout.pp_virtual, layout.pp_schedule,
+                                          layout.micro_batches(workload.global_batch),
+                                          "lower mbs or dp, or raise train.global_batch")
 
 
 def memory_reason(est_or_memory, limit: float) -> str:
