@@ -82,6 +82,18 @@ def _expert_links(dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int, e
     return group_link(ep_groups, gpus_per_node), group_link(edp_groups, gpus_per_node)
 
 
+def data_parallel_links(layout: Layout, order: tuple[str, ...], gpus_per_node: int) -> tuple[Link, Link, Link]:
+    """(the dp·cp group, the group a dense tensor's ZeRO shards span, the group an expert
+    tensor's span) as the trainer builds them: dp and cp form one group where they are adjacent in
+    parallel.order; dense shards span dp_shard·cp ranks (all of dp without HSDP); experts under ep
+    the expert-data-parallel group (expert_links), without ep the dense shard group."""
+    dims = ("dp", "cp") if abs(order.index("dp") - order.index("cp")) == 1 else ("dp",)
+    group = placement(layout, order, dims, gpus_per_node)
+    dense = Link(layout.shard_degree, min(group.per_node, layout.shard_degree))
+    experts = expert_links(layout, order, gpus_per_node)[1] if layout.ep > 1 else dense
+    return group, dense, experts
+
+
 def nodes_spanned(link: Link) -> int:
     return 1 if link.intra_node else math.ceil(link.size / max(1, link.per_node))
 

@@ -8,6 +8,7 @@ Time model of a step (per pipeline rank r, per micro-batch):
   t_mb    = max over ranks of max(gpu(r), host(r))   (the host runs ahead: launches of kernels
             longer than a launch are hidden)
   step    = (m + bubble slots) t_mb + exposed data-parallel communication + optimizer step
+            (+ under Muon its gathers and Newton–Schulz, after the last backward: plan/muon.py)
 Collectives cost latency x ring steps + bytes / bandwidth of their tier (comm.py: NVLink inside a
 node, the NICs across nodes, falling with the nodes spanned). Overlap follows fivefold's code:
 DP buckets launch from gradient hooks during the last backward (zero 0/1), zero 2 under every
@@ -26,6 +27,7 @@ from fivefold.plan.layout import Layout
 from fivefold.plan.activations import keeps_gathered, rank_activation_elements
 from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_param_counts, root_params,
                                   worst_rank_memory)
+from fivefold.plan.muon import muon_step
 from fivefold.plan.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
                                     pipeline_ranks)
 from fivefold.plan.workload import Workload
@@ -50,6 +52,7 @@ class Estimate:
     error: tuple[float, float] = (0.0, 0.0)
     profile: str = ""  # the runtime profile (framework) the time was predicted for
     overlaps: str = ""  # what that framework overlaps
+    muon: dict = field(default_factory=dict)  # train.optimizer = muon: where its work goes (plan/muon.py)
 
     @property
     def tokens_per_sec_band(self) -> dict:
@@ -72,7 +75,8 @@ class Estimate:
                 "comm_bytes": {k: int(round(v)) for k, v in self.comm_bytes.items()},
                 "why": self.why, "tokens_per_sec_band": self.tokens_per_sec_band,
                 "profile": self.profile, "overlaps": self.overlaps,
-                "time_parts_s": {k: v for k, v in self.time_parts.items() if v}}
+                "time_parts_s": {k: v for k, v in self.time_parts.items() if v},
+                **({"muon": self.muon} if self.muon else {})}
 
 
 def _float8_flops_per_token(stats, groups, seq: int) -> float:
@@ -201,14 +205,11 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     puts them), not on the dense weights' dp·cp group."""
     pr, order, gpn = workload.precision, workload.order, hw.gpus_per_node
     eff = runtime.dp_bw_efficiency
-    dims = ("dp", "cp") if abs(order.index("dp") - order.index("cp")) == 1 else ("dp",)
-    group = comm.placement(layout, order, dims, gpn)
+    group, dense_link, expert_link = comm.data_parallel_links(layout, order, gpn)
     replicas = layout.dp // (layout.dp_shard or layout.dp)
     replica_link = comm.Link(replicas, replicas if group.intra_node else 1)
     total_bytes = hidden = ahead = exposed = 0.0
-    dense_link = comm.Link(layout.shard_degree, min(group.per_node, layout.shard_degree))
     under_ep = layout.ep > 1  # without it the experts are dense weights, reduced as they are
-    expert_link = comm.expert_links(layout, order, gpn)[1] if under_ep else dense_link
     for params, link, unit_root, replicated in ((dense, dense_link, root, True),
                                                 (experts, expert_link, 0.0, not under_ep)):
         if params <= 0:
@@ -308,20 +309,29 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     latent_b = 2 * (layout.tp - 1) / layout.tp * latent
     latent_t = comm.all_reduce_time(latent, links["tp"], hw)
 
-    step = pipe_time + dp_visible + optim_time + latent_t
+    # Muon (train.optimizer = muon): its gathers and Newton–Schulz after the last backward, exposed;
+    # the pipeline's stages step at once, so the slowest stage's counts (plan/muon.py).
+    muon = (max((muon_step(stats, layout, order, hw, runtime.dp_bw_efficiency, p) for p in ranks),
+                key=lambda s: s.seconds) if workload.muon else None)
+    step = pipe_time + dp_visible + optim_time + latent_t + (muon.seconds if muon else 0.0)
     tok_s_gpu = workload.tokens_per_step / step / layout.world_size
     mfu = stats.mfu(workload.seq_len, tok_s_gpu, hw.peak_flops)
     parts = {k: m * v for k, v in worst.items()}
     parts.update({"bubble": slots * t_mb, "dp": dp_visible, "optimizer": optim_time})
     parts["tp"] += latent_t
+    if muon:
+        parts.update({"newton_schulz": muon.newton_schulz_s, "muon_gather": muon.gather_s})
     # The vocabulary-parallel loss (models/cross_entropy.py): per token one fp32 max and one sum of
     # two fp32 values (exponentials, target logit), all-reduced over tp on the output's ranks.
     loss_b = 2 * (layout.tp - 1) / layout.tp * 12 * layout.mbs * workload.seq_len / layout.cp * m
     comm_bytes = {"dp": dp_bytes, "tp": m * per_mb_bytes["tp"] + latent_b + loss_b, "pp": m * per_mb_bytes["pp"],
                   "cp": m * per_mb_bytes["cp"], "ep": m * per_mb_bytes["ep"]}
+    if muon:
+        for dim, nbytes in muon.bytes.items():
+            comm_bytes[dim] += nbytes
     memory = memory or worst_rank_memory(workload, layout, hw, runtime)
     return Estimate(layout=layout, memory=memory, memory_limit=hw.memory_bytes, step_time_s=step,
                     tokens_per_sec_per_gpu=tok_s_gpu, mfu=mfu,
                     bubble_fraction=bubble_fraction(layout, m), comm_bytes=comm_bytes,
                     time_parts=parts, error=runtime.tokens_per_sec_error, profile=runtime.name,
-                    overlaps=runtime.overlaps)
+                    overlaps=runtime.overlaps, muon=muon.to_json() if muon else {})

@@ -65,6 +65,7 @@ def table(candidates: list[Estimate], title: str, rejected: list[Rejected] | Non
             mem = " ".join(f"{getattr(m, k) / GB:.1f}" for k in MEMORY_PARTS)
             com = " ".join(f"{est.comm_bytes[k] / GB:.2g}" for k in ("dp", "tp", "pp", "cp", "ep"))
             lines.append(f"{i + 1}. memory {mem} | comm {com}")
+    lines += _muon_lines(candidates)
     if candidates:
         lines += ["", f"time profile: {candidates[0].profile} (overlaps {candidates[0].overlaps})"]
         lines += ["± p50/p90: the time model's tokens/s error on published runs (half within the "
@@ -83,6 +84,22 @@ def table(candidates: list[Estimate], title: str, rejected: list[Rejected] | Non
             seen.add(kind)
             lines.append(f"  {reasons[kind]} x  e.g. {r.layout.short()}: {r.reason}")
     return "\n".join(lines)
+
+
+def _muon_lines(candidates: list[Estimate]) -> list[str]:
+    """Under train.optimizer = muon: where each layout's Newton–Schulz runs and what it costs, as
+    the trainer's log says it (the heaviest pipeline stage)."""
+    shown = [(i, e.muon) for i, e in enumerate(candidates) if e.muon]
+    if not shown:
+        return []
+    lines = ["", "muon (the slowest stage): where matrices are orthogonalised; seconds of Newton–Schulz + "
+             "gathers per step; GFLOP per rank of each group, largest / mean"]
+    for i, muon in shown:
+        spread = ", ".join(f"{name} {max(g):.3g} / {sum(g) / len(g):.3g}"
+                           for name, g in muon["gflop_by_rank"].items() if g)
+        lines.append(f"{i + 1}. {muon['where']}; {_seconds(muon['newton_schulz_s'])} + "
+                     f"{_seconds(muon['gather_s'])} s; {spread}")
+    return lines
 
 
 def _reason_kind(reason: str) -> str:

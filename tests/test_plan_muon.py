@@ -1,0 +1,146 @@
+"""The planner's price of Muon's optimizer step (plan/muon.py, issue 42 item 4): the matrices it
+counts are the built model's, and the step time under train.optimizer = muon exceeds AdamW's by
+the gathers and Newton–Schulz products the trainer runs, recomputed here from their definitions
+(the trainer's bucket builder and Newton–Schulz flop count, the GEMM and ring formulas); the JSON
+keeps the contract."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fivefold.config import load_config
+from fivefold.config.presets import PRESETS
+from fivefold.plan.cli import run_plan
+from fivefold.plan.estimate import estimate
+from fivefold.plan.hardware import hardware_for, runtime_for
+from fivefold.plan.layout import Layout
+from fivefold.plan.muon import BUCKET_BYTES, layer_tensors
+from fivefold.plan.schedule import pipeline_ranks
+from fivefold.plan.workload import workload_from_config
+
+NS_PRODUCTS = 5 * 3  # Newton–Schulz: 5 steps of three GEMMs (torch.optim._muon._zeropower_via_newtonschulz)
+
+
+def _config(preset: str, optimizer: str, dtype: str = "fp32"):
+    return load_config(None, ["--model.preset", preset, "--train.optimizer", optimizer, "--train.dtype", dtype,
+                              "--train.seq_len", "4096", "--train.global_batch", "64"])
+
+
+def _muon_matrices(cfg):
+    """(stack count, rows, cols) of each parameter the trainer's Muon updates, in parameter order:
+    the blocks' matrices by kind (models/param_kinds.py), an expert stack's matrices together."""
+    from fivefold.models import build_meta_model
+    from fivefold.models.param_kinds import BLOCK_MATRIX_KINDS, param_kinds
+
+    model = build_meta_model(cfg.model)
+    kinds = param_kinds(model)
+    return [(p.shape[0] if p.dim() == 3 else 1, *p.shape[-2:]) for name, p in model.named_parameters()
+            if kinds[name] in BLOCK_MATRIX_KINDS and p.dim() >= 2]
+
+
+@pytest.mark.parametrize("preset", sorted(p for p in PRESETS if p.startswith("tiny")) + ["deepseek-v2-lite"])
+def test_the_planned_muon_matrices_are_the_built_models(preset):
+    cfg = _config(preset, "muon")
+    workload = workload_from_config(cfg)
+    (rank,) = pipeline_ranks(workload.stats, Layout(), workload.seq_len)
+    planned = [(t.count, *t.shape) for layer in rank.layers for t in layer_tensors(workload.stats, layer, 1)]
+    assert planned == _muon_matrices(cfg)  # same shapes in the same order (the order makes the buckets)
+
+
+def test_the_bucket_size_is_the_trainers():
+    from fivefold.parallel.data.buckets import BUCKET_BYTES as TRAINER
+
+    assert BUCKET_BYTES == TRAINER
+
+
+def _ns_seconds(shape, hw) -> float:
+    """A matrix's Newton–Schulz on hw: its flops (the trainer's count) at the GEMM rate, plus one
+    kernel fill per product; every product here is compute bound (checked)."""
+    from fivefold.parallel.muon_matrices import ns_flops
+
+    small, large = sorted(shape)
+    rate = hw.peak_flops * hw.matmul_efficiency
+    for m, n, k in ((small, small, large), (small, small, small), (small, large, small)):
+        assert 2 * m * n * k / rate > (2 * (m * k + k * n) + 2 * m * n) / hw.hbm_bw
+    return ns_flops(shape) / rate + NS_PRODUCTS * hw.gemm_fill_s
+
+
+def _ring(nbytes: float, n: int, hw, efficiency: float = 1.0) -> float:
+    """One ring all-gather or reduce-scatter of an nbytes buffer over n GPUs of one node."""
+    return (n - 1) / n * nbytes / (hw.intra_bw * efficiency) + (n - 1) * hw.intra_latency_s
+
+
+def _difference(preset: str, layout: Layout, dtype: str = "fp32"):
+    hw, runtime = hardware_for("h100"), runtime_for()
+    adamw, muon = (estimate(workload_from_config(_config(preset, opt, dtype)), layout, hw, runtime)
+                   for opt in ("adamw", "muon"))
+    return muon, adamw, hw, runtime
+
+
+def test_zero1_pays_a_gather_and_scatter_per_bucket_and_the_slowest_owner_of_each():
+    """llama3-8b at dp8·zero1 in bf16: the trainer's buckets (parallel/data/buckets.py on the
+    model's Muon matrices), each matrix to the least-loaded rank, largest first; the buckets
+    run one after another, so each adds its slowest owner's Newton–Schulz."""
+    import torch
+
+    from fivefold.parallel.data.buckets import make_buckets
+    from fivefold.parallel.muon_matrices import ns_flops
+
+    layout = Layout(dp=8, zero=1, mbs=1)
+    muon, adamw, hw, runtime = _difference("llama3-8b", layout, "bf16")
+    params = [torch.nn.Parameter(torch.empty(rows, cols, device="meta"))
+              for _, rows, cols in _muon_matrices(_config("llama3-8b", "muon"))]
+    loads, expected, sent = [0.0] * 8, 0.0, 0.0
+    for bucket in make_buckets(params, padded_to=8):
+        seconds = [0.0] * 8
+        for shape in sorted((tuple(p.shape) for p in bucket.params), key=lambda s: -ns_flops(s)):
+            owner = loads.index(min(loads))
+            loads[owner] += ns_flops(shape)
+            seconds[owner] += _ns_seconds(shape, hw)
+        gather = _ring(4 * bucket.numel, 8, hw, runtime.dp_bw_efficiency)  # the fp32 update
+        expected += 2 * gather + max(seconds)
+        sent += 2 * 7 / 8 * 4 * bucket.numel
+    assert muon.step_time_s - adamw.step_time_s == pytest.approx(expected, rel=1e-6)
+    assert muon.comm_bytes["dp"] - adamw.comm_bytes["dp"] == pytest.approx(sent, rel=1e-6)
+    assert muon.time_parts["newton_schulz"] + muon.time_parts["muon_gather"] == pytest.approx(expected, rel=1e-6)
+    # which rank holds what: the owners' flops per data-parallel rank, as the trainer's log gives them
+    assert muon.muon["gflop_by_rank"]["dense"] == pytest.approx([f / 1e9 for f in loads], abs=1e-3)
+
+
+def test_tp_gathers_each_tensor_and_all_reduces_it_back():
+    """llama3-8b at tp2 (fp32): every Muon matrix is split by heads or hidden units; per tensor a
+    gather over tp, the owner's Newton–Schulz, an all-reduce of the whole (two ring halves)."""
+    muon, adamw, hw, _ = _difference("llama3-8b", Layout(tp=2, mbs=1))
+    expected = sum(_ring(4 * rows * cols, 2, hw) * 3 + _ns_seconds((rows, cols), hw)
+                   for _, rows, cols in _muon_matrices(_config("llama3-8b", "muon")))
+    assert muon.step_time_s - adamw.step_time_s == pytest.approx(expected, rel=1e-6)
+
+
+def test_whole_matrices_on_a_pipeline_stage_cost_only_their_products():
+    muon, adamw, hw, _ = _difference("llama3-8b", Layout(pp=2, mbs=1))
+    matrices = _muon_matrices(_config("llama3-8b", "muon"))
+    per_layer = len(matrices) // 32  # identical layers: a stage's cost is its layer count's
+    stats = workload_from_config(_config("llama3-8b", "muon")).stats
+    stages = [len(r.layers) for r in pipeline_ranks(stats, Layout(pp=2), 4096)]
+    expected = max(sum(_ns_seconds((rows, cols), hw) for _, rows, cols in matrices[:n * per_layer])
+                   for n in stages)
+    assert muon.step_time_s - adamw.step_time_s == pytest.approx(expected, rel=1e-6)
+    assert muon.comm_bytes == adamw.comm_bytes  # nothing gathered
+
+
+def test_muon_json_keeps_the_contract_and_says_where_the_work_goes(capsys):
+    code = run_plan(["llama3-8b", "--train.optimizer", "muon", "--train.dtype", "bf16", "--train.seq_len", "4096",
+                     "--train.global_batch", "64", "--cluster.gpu", "h100",
+                     "--layout", "dp=8,zero=1,tp=1,pp=1,cp=1,mbs=1", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    (cand,) = json.loads(out.out)["candidates"]
+    assert {"layout", "fits", "memory_bytes", "step_time_s", "tokens_per_sec_per_gpu", "mfu", "bubble_fraction",
+            "comm_bytes", "why"} <= set(cand)
+    assert set(cand["comm_bytes"]) == {"dp", "tp", "pp", "cp", "ep"}
+    assert set(cand["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "other", "total"}
+    assert cand["time_parts_s"]["newton_schulz"] > 0 and cand["time_parts_s"]["muon_gather"] > 0
+    assert "8 data-parallel ranks" in cand["muon"]["where"] and len(cand["muon"]["gflop_by_rank"]["dense"]) == 8
+    assert "Newton–Schulz" in cand["why"]
