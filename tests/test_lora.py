@@ -1,9 +1,12 @@
 """LoRA ([lora], models/lora.py): adapters beside the targeted linear layers, the base frozen.
 
 One 2-rank spawn trains every layout (dp at zero 0/1/2/3, tp2, pp2 with 1f1b and zbv, cp2, an MoE
-with adapters on its experts at dp2·ep2 and at tp2) and each must equal the single-process LoRA
-run under the harness rule (tests/layouts.py); in every layout the base weights end bit for bit
-as they started, and only the adapters hold gradients and optimizer state."""
+with adapters on its experts at dp2·ep2 and at tp2, DeepSeek-V3's latent attention at tp2) and each
+must equal the single-process LoRA run under the harness rule (tests/layouts.py); in every layout
+the base weights end bit for bit as they started, and only the adapters hold gradients and
+optimizer state. The same spawn saves and resumes LoRA checkpoints (the base is not in them: it
+comes back from the seed or from the model.init_from folder) in other layouts.
+tests/test_lora_composition.py composes the dimensions on 4 ranks."""
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ LORA = {"rank": 4, "alpha": 8.0}
 # lr 1e-2: the adapters' updates must move the run well beyond the bounds (B starts at zero).
 TRAIN = {"micro_batch": 2, "steps": 4, "lr": 1e-2}
 MOE = {"moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}}
+DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_layers": 2, "n_kv_heads": 4}
 
 
 def _lora(model=None, targets="attention|mlp", **parallel) -> dict:
@@ -33,7 +37,10 @@ LAYOUTS = {"dp2 zero0": _lora(dp=2, zero=0), "dp2 zero1": _lora(dp=2, zero=1),
            "dp2 zero2": _lora(dp=2, zero=2), "dp2 zero3": _lora(dp=2, zero=3),
            "tp2": _lora(tp=2), "pp2 1f1b": _lora(pp=2), "pp2 zbv": _v_schedule(), "cp2": _lora(cp=2),
            "moe dp2 ep2 zero1": _lora(MOE, "attention|mlp|experts", dp=2, ep=2, zero=1),
-           "moe tp2": _lora(MOE, "attention|mlp|experts", tp=2)}
+           "moe tp2": _lora(MOE, "attention|mlp|experts", tp=2),
+           # Latent attention's replicated down-projections (Partial gradients for A and B), an MoE
+           # with shared experts, multi-token prediction's block.
+           "deepseek tp2": _lora(DEEPSEEK_V3, "attention|mlp|experts", tp=2)}
 
 
 # Resume: "dp2 zero1" saves at step 2 of 4; the same layout continues bit for bit, and tp2, zero 3, pp2

@@ -121,6 +121,7 @@ def _replicate_moe(moe: nn.Module, group: TensorParallelGroup) -> None:
         for name, layer in list(moe.shared.named_children()):
             if isinstance(layer, nn.Linear):
                 setattr(moe.shared, name, PartialGradLinear(layer, group))
+                carry_adapter(layer, getattr(moe.shared, name), TP.REPLICATED_PARTIAL, group)
     moe.experts = PartialGradExperts(moe.experts, group)
     # Forward: the statistic of the rank's whole sequence; backward: identity, since every tp rank
     # holds the same auxiliary loss and the partial gradients it sends to each slice add up over tp.
