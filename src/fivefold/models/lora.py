@@ -116,3 +116,14 @@ def adapter_initial_values(fill: Fill, seed: int) -> Fill:
             return constant(0.0, sizes)
         return fill(name, shape, offsets, sizes)
     return with_adapters
+
+
+def describe_adapters(model: nn.Module, lora) -> str:
+    """The run log's line: what is adapted and how much of the model trains (`model`: meta is enough)."""
+    params = dict(model.named_parameters())
+    adapters = sum(p.numel() for n, p in params.items() if is_adapter(n))
+    total = sum(p.numel() for p in params.values())
+    layers = sum(1 for n in params if n.endswith((f".{A}.weight", f"_{A}")))
+    return (f"lora: rank {lora.rank}, alpha {lora.alpha:g} (scale {lora.alpha / lora.rank:g}) beside {layers} "
+            f"linear layers ('{lora.targets}'): {adapters / 1e6:.3g}M trainable parameters of {total / 1e6:.3g}M "
+            f"({100 * adapters / total:.2g}%), the base frozen")

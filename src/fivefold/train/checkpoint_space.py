@@ -28,11 +28,14 @@ def checkpoint_elements(cfg: Config) -> dict[str, int]:
     optimizer's state ('adamw', 'muon'), from a meta-device model (no memory)."""
     from fivefold.config.param_groups import settings_by_name
     from fivefold.models import build_meta_model
+    from fivefold.models.lora import is_adapter
 
-    model = build_meta_model(cfg.model)
+    model = build_meta_model(cfg.model, cfg.lora)
     settings = settings_by_name(cfg.train, model)
     out = {"weights": 0, **{name: 0 for name in STATE_KEYS}}
     for name, param in model.named_parameters():  # a tied matrix once, as the checkpoint holds it
+        if cfg.lora.rank and not is_adapter(name):
+            continue  # a LoRA checkpoint holds no frozen base (train/lora_base.py)
         optimizer = settings[name].optimizer
         out["weights"] += param.numel()
         out[optimizer] += param.numel() * len(STATE_KEYS[optimizer])

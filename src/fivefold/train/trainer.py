@@ -19,7 +19,7 @@ import torch
 from fivefold.config import Config, ConfigError, micro_batches
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
-from fivefold.models.lora import adapter_initial_values
+from fivefold.models.lora import adapter_initial_values, describe_adapters
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
 from fivefold.plan.model_stats import model_stats
@@ -130,6 +130,8 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
                            cfg.log.progress, wandb_run(cfg) if cfg.log.wandb and rt.is_main else None)
     writer.note(par.describe())
+    if cfg.lora.rank:  # what trains, said once
+        writer.note(describe_adapters(build_meta_model(cfg.model, cfg.lora), cfg.lora))
     if muon_tensors(optimizer):  # where each rank's Newton–Schulz work goes, said once
         writer.note(muon.describe(muon_tensors(optimizer)))
     if t.fp8:  # what runs in FP8 and what does not, said once (parallel/float8.py)
