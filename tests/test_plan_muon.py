@@ -16,7 +16,8 @@ from fivefold.plan.cli import run_plan
 from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import hardware_for, runtime_for
 from fivefold.plan.layout import Layout
-from fivefold.plan.muon import BUCKET_BYTES, layer_tensors
+from fivefold.plan.block_matrices import block_matrices
+from fivefold.plan.muon import BUCKET_BYTES
 from fivefold.plan.schedule import pipeline_ranks
 from fivefold.plan.workload import workload_from_config
 
@@ -28,7 +29,7 @@ def _config(preset: str, optimizer: str, dtype: str = "fp32"):
                               "--train.seq_len", "4096", "--train.global_batch", "64"])
 
 
-def _muon_matrices(cfg):
+def _muon_matrices(cfg, named: bool = False):
     """(stack count, rows, cols) of each parameter the trainer's Muon updates, in parameter order:
     the blocks' matrices by kind (models/param_kinds.py), an expert stack's matrices together."""
     from fivefold.models import build_meta_model
@@ -36,8 +37,8 @@ def _muon_matrices(cfg):
 
     model = build_meta_model(cfg.model)
     kinds = param_kinds(model)
-    return [(p.shape[0] if p.dim() == 3 else 1, *p.shape[-2:]) for name, p in model.named_parameters()
-            if kinds[name] in BLOCK_MATRIX_KINDS and p.dim() >= 2]
+    return [(name,) * named + (p.shape[0] if p.dim() == 3 else 1, *p.shape[-2:])
+            for name, p in model.named_parameters() if kinds[name] in BLOCK_MATRIX_KINDS and p.dim() >= 2]
 
 
 @pytest.mark.parametrize("preset", sorted(p for p in PRESETS if p.startswith("tiny")) + ["deepseek-v2-lite"])
@@ -45,8 +46,9 @@ def test_the_planned_muon_matrices_are_the_built_models(preset):
     cfg = _config(preset, "muon")
     workload = workload_from_config(cfg)
     (rank,) = pipeline_ranks(workload.stats, Layout(), workload.seq_len)
-    planned = [(t.count, *t.shape) for layer in rank.layers for t in layer_tensors(workload.stats, layer, 1)]
-    assert planned == _muon_matrices(cfg)  # same shapes in the same order (the order makes the buckets)
+    planned = [(f"layers.{layer}.{m.name}", m.count, *m.shape)
+               for layer in rank.layers for m in block_matrices(workload.stats, layer, 1)]
+    assert planned == _muon_matrices(cfg, named=True)  # the same in the same order (the order makes the buckets)
 
 
 def test_the_bucket_size_is_the_trainers():

@@ -62,6 +62,7 @@ from __future__ import annotations
 from fivefold.plan.branch_split import split_branches
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
+from fivefold.plan.lora import adapter_activation_bytes
 from fivefold.plan.model_stats import ModelStats
 from fivefold.plan.schedule import PipelineRank, in_flight_per_chunk, outputs_held
 from fivefold.plan.workload import Workload
@@ -204,8 +205,10 @@ def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recom
     """Bytes one layer keeps per token of one micro-batch, in the runtime's recipe."""
     stats, seq = workload.stats, workload.seq_len
     if runtime.activation_recipe == "fivefold":
-        return fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
-                                    hw.fuses_attention(stats), keeps_gathered(workload, runtime))
+        return (fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
+                                     hw.fuses_attention(stats), keeps_gathered(workload, runtime))
+                + adapter_activation_bytes(stats, layer, layout, recompute, workload.lora,
+                                           workload.precision.act_bytes))
     return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fuses_attention(stats))
             * workload.precision.act_bytes)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from fivefold.plan.activations import activation_bytes
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
+from fivefold.plan.lora import adapter_param_counts, layer_adapter_params
 from fivefold.plan.model_stats import ModelStats
 from fivefold.plan.schedule import PipelineRank, pipeline_ranks
 from fivefold.plan.workload import Workload
@@ -153,6 +154,20 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
     }
 
 
+def rank_state_bytes(workload: Workload, layout: Layout, prank: PipelineRank) -> dict:
+    """params / grads / optimizer bytes of one rank of this pipeline rank: under Muon its matrices'
+    one moment; under LoRA the frozen base's weights as the recipe stores them and nothing else,
+    the adapters, the weights it trains, with gradients, AdamW's state and masters (plan/lora.py)."""
+    stats, lora = workload.stats, workload.lora
+    dense, experts = rank_param_counts(stats, layout, prank)
+    if not lora.rank:
+        muon = muon_param_counts(stats, layout, prank) if workload.muon else (0.0, 0.0)
+        return model_state_bytes(workload, layout, dense, experts, muon)
+    state = model_state_bytes(workload, layout, *adapter_param_counts(stats, layout, prank, lora))
+    state["params"] += model_state_bytes(workload, layout, dense, experts)["params"]
+    return state
+
+
 # ---------------------------------------------------------------------------------- activations
 
 def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
@@ -161,19 +176,22 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
     layout = as_trained(layout)
     m = layout.micro_batches(workload.global_batch)
     dense, experts = rank_param_counts(stats, layout, prank)
-    muon = muon_param_counts(stats, layout, prank) if workload.muon else (0.0, 0.0)
-    state = model_state_bytes(workload, layout, dense, experts, muon)
+    state = rank_state_bytes(workload, layout, prank)
+    lora = workload.lora
+    trained = adapter_param_counts(stats, layout, prank, lora) if lora.rank else (dense, experts)
     saved, working = activation_bytes(workload, layout, prank, rank, m, hw, runtime)
     other = runtime.fixed_bytes + working
     if layout.zero >= 3 and prank.layers:
         # FSDP all-gathers one layer while the previous one computes (prefetch): two unsharded
         # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.
         layer = max(sum(layer_param_counts(stats, layout, i)) for i, _ in prank.kinds)
-        other += layer * (2 * pr.param_bytes + pr.reduce_bytes)
+        grads = (max(sum(layer_adapter_params(stats, layout, i, lora)) for i, _ in prank.kinds)
+                 if lora.rank else layer)  # a frozen weight has no gradient
+        other += layer * 2 * pr.param_bytes + grads * pr.reduce_bytes
         if layout.pp > 1:
             # PyTorch's pipeline stage reduce-scatters once, after the step's last backward: the
             # stage's unsharded gradients accumulate until then.
-            other += (dense + experts) * pr.reduce_bytes
+            other += sum(trained) * pr.reduce_bytes
         if layout.split_backward:  # blocks stay gathered from forward to backward (parallel/data/fsdp.py)
             other += (dense + experts) * pr.param_bytes
     return MemoryBreakdown(params=state["params"], grads=state["grads"],

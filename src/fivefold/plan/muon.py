@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fivefold.plan import comm
-from fivefold.plan.gemm import Gemm, gemm_seconds, mlp_matrices
+from fivefold.plan.block_matrices import BlockMatrix, block_matrices
+from fivefold.plan.gemm import Gemm, gemm_seconds
 from fivefold.plan.hardware import Hardware
 from fivefold.plan.layout import Layout
 from fivefold.plan.memory import as_trained
@@ -49,52 +50,6 @@ UPDATE_BYTES = 4
 # parallel/data/buckets.py BUCKET_BYTES, restated so the planner imports no torch (a test holds
 # them equal): a bucket closes once its fp32 elements reach it.
 BUCKET_BYTES = 25 * 2**20
-
-
-@dataclass(frozen=True)
-class MuonTensor:
-    """One parameter Muon updates, as the model stores it."""
-    shape: tuple[int, int]  # (rows, cols) of each of its matrices, whole
-    count: int = 1  # matrices stacked in it (a rank's local experts), each orthogonalised alone
-    tp_split: bool = False  # split over tp by heads or hidden units (else whole on every tp rank)
-    expert: bool = False  # a routed experts' stack
-
-    @property
-    def numel(self) -> int:
-        return self.count * self.shape[0] * self.shape[1]
-
-
-def layer_tensors(stats: ModelStats, layer: int, ep: int) -> tuple[MuonTensor, ...]:
-    """The Muon tensors of one block, in the model's parameter order (models/decoder.py,
-    models/deepseek_v3/model.py, models/moe.py): attention's projections, then the dense MLP's
-    matrices or the router, the routed experts (w1, w2, w3 stacked, n_experts/ep of them here) and
-    the shared experts. Norms, biases, sinks and multi-token prediction's eh_proj are AdamW's."""
-    h = stats.dim
-
-    def split(rows, cols):
-        return MuonTensor((rows, cols), tp_split=True)
-
-    if stats.kv_lora_rank:  # latent attention: the down-projections run whole on every tp rank
-        qk, rank = stats.n_heads * stats.head_dim, stats.q_lora_rank
-        q = (MuonTensor((rank, h)), split(qk, rank)) if rank else (split(qk, h),)
-        nope = stats.head_dim - stats.rope_dim
-        out = [*q, MuonTensor((stats.kv_lora_rank + stats.rope_dim, h)),
-               split(stats.n_heads * (nope + (stats.v_head_dim or stats.head_dim)), stats.kv_lora_rank),
-               split(h, stats.o_dim)]
-    else:
-        out = [split(stats.q_dim, h), split(stats.kv_dim, h), split(stats.v_dim, h), split(h, stats.o_dim)]
-    if not stats.is_moe(layer):
-        # SwiGLU's w1 (gate), w2 (down), w3 (up); a two-matrix MLP has w1 (up) and w2 (down).
-        mlp = [split(stats.ffn_dim, h), split(h, stats.ffn_dim)]
-        return tuple(out + mlp + [split(stats.ffn_dim, h)] * (mlp_matrices(stats) - 2))
-    out.append(MuonTensor((stats.n_experts, h)))  # the router
-    hidden, local = round(stats.expert_hidden), max(1, stats.n_experts // ep)
-    for rows, cols in ((hidden, h), (h, hidden), (hidden, h)):
-        out.append(MuonTensor((rows, cols), count=local, expert=True))
-    if stats.shared_expert_params:
-        width = stats.shared_expert_params // (3 * h)
-        out += [MuonTensor((width, h)), MuonTensor((h, width)), MuonTensor((width, h))]
-    return tuple(out)
 
 
 def ns_flops(shape: tuple[int, int]) -> float:
@@ -145,7 +100,7 @@ def _muon_step(stats, layout, order, hw, eff, prank) -> MuonStep:
     tp_link = comm.placement(layout, order, ("tp",), hw.gpus_per_node)
     replicas = layout.dp // (layout.dp_shard or layout.dp)
     replica_link = comm.Link(replicas, replicas if group.intra_node else 1)
-    tensors = tuple(t for layer in prank.layers for t in layer_tensors(stats, layer, layout.ep))
+    tensors = tuple(t for layer in prank.layers for t in block_matrices(stats, layer, layout.ep))
     step = MuonStep()
     # Under ep the routed experts have their own buckets and FSDP2 mesh, on the expert-data-parallel
     # group; without it they are dense weights like the rest.
@@ -163,7 +118,7 @@ def _muon_step(stats, layout, order, hw, eff, prank) -> MuonStep:
     return step
 
 
-def _tp_dtensor(step: MuonStep, t: MuonTensor, tp_link: comm.Link, hw: Hardware) -> None:
+def _tp_dtensor(step: MuonStep, t: BlockMatrix, tp_link: comm.Link, hw: Hardware) -> None:
     """A tensor-parallel DTensor: gathered whole over tp, orthogonalised on its owner, all-reduced."""
     whole = UPDATE_BYTES * t.numel
     step.gather_s += comm.gather_time(whole, tp_link, hw) + comm.all_reduce_time(whole, tp_link, hw)
@@ -211,7 +166,7 @@ def _bucketed(step, name, tensors, link, tp_link, tp, hw, eff) -> None:
 
 
 @lru_cache(maxsize=1024)
-def _bucket_plan(tensors: tuple[MuonTensor, ...], n: int, tp: int, hw: Hardware):
+def _bucket_plan(tensors: tuple[BlockMatrix, ...], n: int, tp: int, hw: Hardware):
     """(each bucket's local elements, the sum over buckets of the slowest owner's Newton–Schulz
     seconds, flops per data-parallel rank, the tp-split tensors) of parallel/data/buckets.py's
     make_buckets and muon_step.py's owners."""

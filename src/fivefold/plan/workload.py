@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fivefold.plan.lora import Lora
 from fivefold.plan.model_stats import ModelStats, model_stats
 
 
@@ -53,6 +54,7 @@ class Workload:
     keep_gathered: bool = False  # parallel.sp_keep_gathered (plan/activations.py)
     fp8: str = ""  # train.fp8: "" or the recipe; only then do the projections' matmuls get the FP8 speed-up
     muon: bool = False  # train.optimizer = muon: the block matrices keep one moment (plan/memory.py)
+    lora: Lora = Lora()  # [lora]: rank > 0 trains adapters only, the base frozen (plan/lora.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -65,4 +67,5 @@ def workload_from_config(cfg, precision: str | None = None) -> Workload:
                     global_batch=cfg.train.global_batch,
                     precision=PRECISIONS[precision or cfg.train.dtype], order=order,
                     keep_gathered=cfg.parallel.sp_keep_gathered, fp8=cfg.train.fp8,
-                    muon=cfg.train.optimizer == "muon")
+                    muon=cfg.train.optimizer == "muon",
+                    lora=Lora(cfg.lora.rank, cfg.lora.targets, cfg.lora.dropout))

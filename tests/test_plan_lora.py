@@ -1,0 +1,134 @@
+"""The planner under LoRA (plan/lora.py, issue 43 item 4): the adapters it counts are the built
+model's, a rank built on the CPU holds exactly the planned weights, gradients and AdamW state (the
+frozen base: weights only), the adapters' activations are their r-wide intermediates, and Llama 3
+70B LoRA-fine-tunes on one node of 8 H100s, which its full fine-tuning does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fivefold.config import load_config
+from fivefold.mesh import ParallelDims
+from fivefold.plan.cli import run_plan
+from fivefold.plan.hardware import hardware_for, runtime_for
+from fivefold.plan.layout import Layout, layout_from_config
+from fivefold.plan.lora import adapter_param_counts
+from fivefold.plan.memory import as_trained, rank_memory, rank_state_bytes
+from fivefold.plan.schedule import pipeline_ranks
+from fivefold.plan.workload import workload_from_config
+
+
+@pytest.mark.parametrize("preset, targets", [
+    ("tiny", "attention|mlp"), ("tiny-moe", "attention|mlp|experts"), ("tiny-deepseek-v3", "attention|mlp|experts"),
+    ("tiny-gpt-oss", "experts"), ("tiny-qwen3", r"re:attention\.w[qv]"), ("tiny-deepseek-v3", r"re:kv_a_proj|shared\.w2"),
+])
+def test_the_planned_adapters_are_the_built_models(preset, targets):
+    from fivefold.models import build_meta_model
+    from fivefold.models.lora import is_adapter
+
+    cfg = load_config(None, ["--model.preset", preset, "--lora.rank", "4", "--lora.targets", targets])
+    workload = workload_from_config(cfg)
+    (rank,) = pipeline_ranks(workload.stats, Layout(), workload.seq_len)
+    built = sum(p.numel() for n, p in build_meta_model(cfg.model, cfg.lora).named_parameters() if is_adapter(n))
+    assert sum(adapter_param_counts(workload.stats, Layout(), rank, workload.lora)) == built > 0
+
+
+# One rank built for real under a fake process group (as `fivefold layout --build`), reporting its
+# gradient and optimizer bytes (tools/rank_build.py) and the bytes of every parameter it holds,
+# frozen ones included (the build's own report counts the trained ones only).
+BUILD = """
+import json, sys, torch, torch.distributed as dist
+from fivefold.config import load_config
+from fivefold.mesh import ParallelDims
+from fivefold.models import build_meta_model, initial_values
+from fivefold.models.lora import adapter_initial_values
+from fivefold.parallel.grad_norm import local_tensor
+from fivefold.parallel.parallelize import parallelize
+from fivefold.tools.rank_build import held_state_bytes
+from fivefold.torch_internals import fake_store_class
+
+args, rank = sys.argv[1:-1], int(sys.argv[-1])
+cfg = load_config("tiny", args)
+dims = ParallelDims.from_config(cfg.parallel)
+dist.init_process_group("fake", store=fake_store_class()(), rank=rank, world_size=dims.world_size)
+fill = adapter_initial_values(initial_values(cfg.model, cfg.train.seed), cfg.train.seed)
+par = parallelize(build_meta_model(cfg.model, cfg.lora), dims, cfg, torch.device("cpu"), fill)
+held = held_state_bytes(par)
+params = {id(p): local_tensor(p) for part in par.parts for p in part.parameters()}
+held["all_param_bytes"] = sum(t.numel() * t.element_size() for t in params.values())
+dist.destroy_process_group()
+print(json.dumps(held))
+"""
+
+LAYOUTS = {
+    "dp2-zero1": ["--parallel.dp", "2", "--parallel.zero", "1", "--parallel.tp", "1"],
+    "dp2-zero2-bf16": ["--parallel.dp", "2", "--parallel.zero", "2", "--parallel.tp", "1", "--train.dtype", "bf16"],
+    "dp2-zero3-bf16": ["--parallel.dp", "2", "--parallel.zero", "3", "--parallel.tp", "1", "--train.dtype", "bf16"],
+    "tp2": ["--parallel.dp", "1", "--parallel.tp", "2", "--parallel.zero", "0"],
+    "pp2-zero0-bf16": ["--parallel.dp", "1", "--parallel.tp", "1", "--parallel.pp", "2", "--train.dtype", "bf16",
+                       "--train.micro_batch", "1"],
+    "moe-dp2-ep2-zero1": ["--model.preset", "tiny-moe", "--parallel.dp", "2", "--parallel.ep", "2",
+                          "--parallel.zero", "1", "--parallel.tp", "1", "--lora.targets", "attention|mlp|experts"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_built_lora_rank_holds_what_the_planner_predicts(name):
+    args, rank = [*LAYOUTS[name], "--lora.rank", "4"], 1
+    done = subprocess.run([sys.executable, "-c", BUILD, *args, str(rank)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    cfg = load_config("tiny", args)
+    workload, layout = workload_from_config(cfg), as_trained(layout_from_config(cfg))
+    prank = pipeline_ranks(workload.stats, layout, cfg.train.seq_len)[
+        ParallelDims.from_config(cfg.parallel).coordinates(rank)["pp"]]
+    planned = rank_state_bytes(workload, layout, prank)
+    assert (built["all_param_bytes"], built["grad_bytes"], built["optimizer_bytes"]) == \
+        (planned["params"], planned["grads"], planned["optimizer"])
+
+
+def _activations(recompute: str, lora_rank: int, dropout: float = 0.0) -> float:
+    cfg = load_config(None, ["--model.preset", "llama3-8b", "--train.seq_len", "4096", "--train.global_batch", "8",
+                             "--train.dtype", "bf16", "--lora.rank", str(lora_rank), "--lora.dropout", str(dropout)])
+    workload, layout = workload_from_config(cfg), Layout(mbs=1, recompute=recompute)
+    (prank,) = pipeline_ranks(workload.stats, layout, 4096)
+    return rank_memory(workload, layout, hardware_for("h100"), runtime_for(), prank, 0).activations
+
+
+def test_the_adapters_keep_their_r_wide_intermediates():
+    """llama3-8b, one micro-batch of 4096 tokens in bf16, attention and MLP adapted (7 matrices a
+    layer, 32 layers): without recomputation B keeps A x (r wide); with dropout A also keeps the
+    dropped input and its mask; selective recomputation keeps both matmuls' outputs; full, nothing."""
+    tokens, layers, r, bf16 = 4096, 32, 16, 2
+    h, q, kv, f = 4096, 4096, 1024, 14336
+    assert _activations("none", r) - _activations("none", 0) == tokens * layers * 7 * r * bf16
+    inputs = 4 * h + f + 2 * h  # wq, wk, wv, wo read h wide; w2 reads f; w1 and w3 read h
+    assert _activations("none", r, 0.1) - _activations("none", 0) == \
+        tokens * layers * (7 * r * bf16 + inputs * (bf16 + 1))
+    outputs = q + 2 * kv + h + 2 * f + h  # wq, wk, wv, wo; w1, w3, w2
+    assert _activations("selective", r) - _activations("selective", 0) == tokens * layers * (7 * r + outputs) * bf16
+    assert _activations("full", r) == _activations("full", 0)
+
+
+def _plan(capsys, *argv):
+    code = run_plan(["llama3-70b", "--cluster.gpus", "8", "--cluster.gpu", "h100", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_llama3_70b_lora_fits_on_one_node_of_8_h100s_and_its_full_fine_tuning_does_not(capsys):
+    code, out, err = _plan(capsys, "--lora.rank", "16", "--json")
+    assert code == 0, err
+    best = json.loads(out)["candidates"][0]
+    assert best["fits"] and best["memory_bytes"]["total"] <= 80e9
+    assert best["memory_bytes"]["optimizer"] < 1e9  # the adapters' state only: ~0.2 B parameters
+    code, _, err = _plan(capsys)
+    # Full fine-tuning: 16 bytes of model state per parameter (bf16 weights, fp32 gradients,
+    # masters and moments) over 8 GPUs is 141 GB per GPU before any activation.
+    assert code == 2 and "does not fit on 8 h100 GPUs" in err
