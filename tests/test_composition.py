@@ -75,6 +75,13 @@ FULL = [
 # the harness rule (its own reassociation noise sets the bound), and against fp32 within 2%.
 BF16 = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, dtype="bf16")
 COMPILED = layout(DENSE, dp=2, zero=1, tp=2, pp=2, cp=2, compile=True)
+# Muon (docs/optimizers.md): each matrix gathered whole across ZeRO's chunks and tp's shards, the
+# experts' under ep. One step, the check that catches a lost piece of a gathered matrix: the weights
+# differ by 2.3e-4 against a bound of 1.2e-3, and by 2.5e-3 with one row of rank 0's tp shard lost.
+# Later steps only amplify noise: Newton–Schulz in bf16 turns step 1's 2.3e-4 into a step-2
+# gradient norm 4.8e-5 off, 10x the norm noise of the single process's own reassociation (whose
+# step-1 weights differ as much: 3.1e-4). tests/test_muon_compositions.py trains two steps on 4 ranks.
+MUON = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, optimizer="muon", lr=0.02, steps=1)
 # Document masking (data.document_mask, tests/test_document_mask.py) on a corpus of short documents:
 # the ids reach every stage, and the ring masks blocks, under all five dimensions.
 DOCUMENTS = layout(DENSE, dp=2, zero=1, tp=2, pp=2, cp=2)
@@ -152,7 +159,8 @@ def sixteen_rank_results(document_source):
     # 16 ranks on a 2-core machine: several minutes; the timeout only guards against a hang.
     # (The matrix's 16 ranks are a spawn of their own: every layout leaves its gloo groups' threads
     # behind in a rank, and 17 layouts in one spawn ran 4x slower than 10 and 7 apart.)
-    return run_on_ranks(16, _sixteen, [*FULL, BF16, with_documents(DOCUMENTS, document_source)], timeout_s=1200)
+    return run_on_ranks(16, _sixteen, [*FULL, BF16, with_documents(DOCUMENTS, document_source), MUON],
+                        timeout_s=1200)
 
 
 def weight_atol(l: dict) -> float:
@@ -182,6 +190,10 @@ def test_bf16_5d(sixteen_rank_results):
 
 def test_document_mask_5d(sixteen_rank_results, document_source):
     check([runs for runs, _ in sixteen_rank_results], len(FULL) + 1, with_documents(DOCUMENTS, document_source))
+
+
+def test_muon_5d(sixteen_rank_results):
+    check([runs for runs, _ in sixteen_rank_results], len(FULL) + 2, MUON)
 
 
 def test_rank_map_is_what_the_run_builds(sixteen_rank_results):

@@ -4,6 +4,8 @@ inside FSDP2's two-dimensional meshes (zero 3), HSDP, ep borrowing tp, and pp an
 One 4-rank spawn runs them all; tests/test_muon.py has each dimension alone, tests/test_composition.py
 the 5D MoE spawn."""
 
+import dataclasses
+
 import pytest
 
 from layouts import TP_WEIGHT_ATOL, assert_same_run, reference, run_layout
@@ -42,14 +44,23 @@ def _one_step(layout: dict) -> dict:
     return {**layout, "train": {**layout["train"], "steps": 1}}
 
 
-def four_ranks() -> dict:
-    runs = {label: run_layout(layout) for label, layout in LAYOUTS.items()}
-    return runs | {f"one step {label}": run_layout(_one_step(layout)) for label, layout in LAYOUTS.items()}
+# Resharding Muon's momentum between compositions: saved after step 1 under tp's shards in ZeRO's
+# chunks, continued under FSDP2's two-dimensional shards and under HSDP.
+SAVED = "dp2 tp2 zero1"
+RESUMES = ("dp2 tp2 zero3", "hsdp dp4 shard2")
+
+
+def four_ranks(root: str) -> dict:
+    runs = {label: run_layout({**layout, "checkpoint": {"dir": root, "every": 1}} if label == SAVED else layout)
+            for label, layout in LAYOUTS.items()}
+    runs |= {f"one step {label}": run_layout(_one_step(layout)) for label, layout in LAYOUTS.items()}
+    return runs | {f"resumed {label}": run_layout({**LAYOUTS[label], "checkpoint": {"resume": f"{root}/step_00000001"}})
+                   for label in RESUMES}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_on_ranks(4, four_ranks)
+def runs(tmp_path_factory):
+    return run_on_ranks(4, four_ranks, str(tmp_path_factory.mktemp("muon-compositions")))
 
 
 def _weight_atol(layout: dict) -> float:
@@ -72,3 +83,13 @@ def test_one_step_matches_tightly(runs, label):
     for rank, results in enumerate(runs):
         assert_same_run(results[f"one step {label}"], want, weight_atol=_weight_atol(layout),
                         label=f"muon one step {label} rank {rank}")
+
+
+@pytest.mark.parametrize("label", RESUMES)
+def test_resume_into_another_composition(runs, label):
+    """Step 2 after resuming step 1's checkpoint of dp2·tp2·zero1 equals the single process's step 2."""
+    full = reference(LAYOUTS[SAVED])
+    want = dataclasses.replace(full, losses=full.losses[1:], grad_norms=full.grad_norms[1:])
+    for rank, results in enumerate(runs):
+        assert_same_run(results[f"resumed {label}"], want, weight_atol=_weight_atol(LAYOUTS[label]),
+                        label=f"muon resumed under {label} rank {rank}")
