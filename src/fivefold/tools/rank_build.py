@@ -35,7 +35,8 @@ def held_state_bytes(par) -> dict[str, int]:
     """Parameters (and ZeRO-1/2 master chunks) this rank holds now, and the gradient and optimizer
     bytes it will hold once training runs, from the tensors each data-parallel variant keeps."""
     dp = par.data_parallel
-    params = _bytes(dp.params)
+    params = _bytes(dp.params)  # the trained ones: gradients and optimizer state follow them
+    held = _bytes({id(p): p for part in dp.parts for p in part.parameters()}.values())  # a frozen base too (LoRA)
     targets = dp.build_optimizer(list)  # what the optimizer updates: local parameters, or fp32 master chunks
     # AdamW keeps two moments of each, Muon (its matrices, train.optimizer = muon) one momentum.
     moments = sum((1 if getattr(dp.settings_of(t), "optimizer", "") == "muon" else 2) * _bytes([t]) for t in targets)
@@ -46,8 +47,8 @@ def held_state_bytes(par) -> dict[str, int]:
         grads = chunks + (0 if dp.shard_grads else params)
     else:  # gradients in the parameters' dtype (FSDP2: fp32 shards)
         grads = params
-    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": moments + chunks,
-            "resident_bytes": params + chunks}
+    return {"param_bytes": held, "grad_bytes": grads, "optimizer_bytes": moments + chunks,
+            "resident_bytes": held + chunks}
 
 
 def planned_state_bytes(cfg: Config, rank: int) -> dict[str, int]:

@@ -170,6 +170,7 @@ class DataParallel:
                  if isinstance(v, torch.Tensor) and v.dim() > 0]
         masters = [p for group in optimizer.param_groups for p in group["params"]
                    if not any(p is q for q in self.params)]
-        return {"params": size(self.params),
+        held = [p for part in self.parts for p in part.parameters()]  # trained, and a frozen base (LoRA)
+        return {"params": size(held),
                 "grads": size([p.grad for p in self.params if p.grad is not None] + self.gradient_buffers()),
                 "optimizer": size(state) + size(masters)}
