@@ -15,6 +15,7 @@ import pytest
 from fivefold.config import load_config
 from fivefold.mesh import ParallelDims
 from fivefold.plan.cli import run_plan
+from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import hardware_for, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config
 from fivefold.plan.lora import adapter_param_counts
@@ -132,3 +133,29 @@ def test_llama3_70b_lora_fits_on_one_node_of_8_h100s_and_its_full_fine_tuning_do
     # Full fine-tuning: 16 bytes of model state per parameter (bf16 weights, fp32 gradients,
     # masters and moments) over 8 GPUs is 141 GB per GPU before any activation.
     assert code == 2 and "does not fit on 8 h100 GPUs" in err
+
+
+def _estimate(lora_rank: int, layout: Layout):
+    cfg = load_config(None, ["--model.preset", "llama3-8b", "--train.seq_len", "4096", "--train.global_batch", "64",
+                             "--train.dtype", "bf16", "--lora.rank", str(lora_rank)])
+    return estimate(workload_from_config(cfg), layout, hardware_for("h100"), runtime_for())
+
+
+def test_lora_reduces_and_steps_only_the_adapters_and_skips_the_base_weight_gradients():
+    """llama3-8b at dp8 zero 0 in bf16: the gradient all-reduce carries the adapters' fp32 gradients
+    only (the built model's adapter count), the optimizer updates only them; the base's matmuls run
+    forward and input gradient, not the weight gradient: between 2/3 and all of full fine-tuning's
+    compute (attention's core and the elementwise passes are unchanged)."""
+    from fivefold.models import build_meta_model
+    from fivefold.models.lora import is_adapter
+
+    cfg = load_config(None, ["--model.preset", "llama3-8b", "--lora.rank", "16"])
+    adapters = sum(p.numel() for n, p in build_meta_model(cfg.model, cfg.lora).named_parameters() if is_adapter(n))
+    layout = Layout(dp=8, zero=0, mbs=1)
+    lora, full = _estimate(16, layout), _estimate(0, layout)
+    assert lora.comm_bytes["dp"] == pytest.approx(2 * 7 / 8 * 4 * adapters, rel=1e-9)
+    assert lora.time_parts["compute"] < full.time_parts["compute"]
+    assert lora.time_parts["compute"] > 2 / 3 * full.time_parts["compute"]
+    hw, runtime = hardware_for("h100"), runtime_for()
+    adam_bytes = 2 * (8 + 4) + 4 + 0 + 2  # moments and master read and written, gradient read, weights written
+    assert lora.time_parts["optimizer"] == pytest.approx(adapters * adam_bytes / hw.hbm_bw + runtime.step_overhead_s)

@@ -27,13 +27,11 @@ from fivefold.plan.layout import Layout
 from fivefold.plan.activations import keeps_gathered, rank_activation_elements
 from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_param_counts, root_params,
                                   worst_rank_memory)
+from fivefold.plan.lora import adapter_param_counts, backward_share, matmul_share
 from fivefold.plan.muon import muon_step
 from fivefold.plan.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
                                     pipeline_ranks)
 from fivefold.plan.workload import Workload
-
-BACKWARD_SHARE = 2 / 3  # backward is twice the forward's FLOPs
-
 
 @dataclass
 class Estimate:
@@ -107,7 +105,10 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     # Matmuls, each kind of layer at its GEMMs' efficiency (plan/gemm.py: by shape and GPU). The
     # dense GEMMs see the rank's whole local sequence (sequence parallelism gathers it) and 1/tp
     # of the weights; MoE layers split their tokens over tp (parallel/tensor/apply.py).
-    recomputed = 4 / 3 if layout.recompute == "full" else 1.0  # full recomputation: a second forward
+    # LoRA: the frozen base's matmuls compute no weight gradient (plan/lora.py matmul_share).
+    share = matmul_share(workload.lora)
+    # Full recomputation: a second forward, 2 of the 6 FLOPs per weight and token (of 4 when frozen).
+    recomputed = (share + 2 / 6) / share if layout.recompute == "full" else 1.0
     peak = hw.peak_flops
     fp8 = bool(workload.fp8) and hw.has_fp8
     speedup = runtime.float8_linear_speedup if fp8 else 1.0
@@ -123,10 +124,10 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
         in_fp8 = _float8_flops_per_token(stats, ((layer, 1),), seq) if fp8 else 0.0
         seconds = ((dense - in_fp8) / eff_dense + in_fp8 / eff_fp8 + experts / eff_experts) / peak
         core = attention_seconds(stats, layer, seq, rows, hw, runtime.attention_kernel, layout.recompute)
-        compute += count * (recomputed * rows * seconds + core)
+        compute += count * (recomputed * share * rows * seconds + core)
         attention += count * attn * rows / (peak * hw.matmul_efficiency)
     if prank.has_output:
-        compute += (stats.output_flops_per_token * rows
+        compute += (share * stats.output_flops_per_token * rows
                     / (peak * gemm.output_efficiency(stats, tokens_local, layout.tp, hw)))
     # Elementwise work (norms, residuals, RoPE, SwiGLU, casts, the loss) is bound by memory
     # bandwidth: a few passes over the activations each layer saves, and over the logits.
@@ -192,7 +193,8 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
 
 
 def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime, dense: float,
-             experts: float, m: int, root: float = 0.0) -> tuple[float, float, float, float]:
+             experts: float, m: int, root: float = 0.0,
+             trained: tuple[float, float] | None = None) -> tuple[float, float, float, float]:
     """(bytes, seconds overlappable with backward, seconds overlappable with the next step's first
     forward, exposed-anyway seconds) of data-parallel traffic per step.
 
@@ -202,31 +204,35 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     all-reduce of the dense shard across replicas (expert weights are sharded over their whole
     expert-data-parallel group, replicas included: parallel/data/zero.py, fsdp.py). Under ep the
     experts' traffic runs on the edp group (comm.expert_links: dp·cp·tp/ep ranks, where mesh.py
-    puts them), not on the dense weights' dp·cp group."""
+    puts them), not on the dense weights' dp·cp group. `trained`: the (dense, expert) parameters
+    with gradients when not all are (LoRA: the adapters), the only ones reduced and, under
+    ZeRO-1/2, gathered after the step; FSDP2 gathers the frozen weights too."""
     pr, order, gpn = workload.precision, workload.order, hw.gpus_per_node
+    trained = trained or (dense, experts)
     eff = runtime.dp_bw_efficiency
     group, dense_link, expert_link = comm.data_parallel_links(layout, order, gpn)
     replicas = layout.dp // (layout.dp_shard or layout.dp)
     replica_link = comm.Link(replicas, replicas if group.intra_node else 1)
     total_bytes = hidden = ahead = exposed = 0.0
     under_ep = layout.ep > 1  # without it the experts are dense weights, reduced as they are
-    for params, link, unit_root, replicated in ((dense, dense_link, root, True),
-                                                (experts, expert_link, 0.0, not under_ep)):
+    for params, learned, link, unit_root, replicated in ((dense, trained[0], dense_link, root, True),
+                                                         (experts, trained[1], expert_link, 0.0, not under_ep)):
         if params <= 0:
             continue
         n = link.size
-        grads, weights = params * (runtime.reduce_bytes or pr.reduce_bytes), params * pr.param_bytes
+        grads, weights = learned * (runtime.reduce_bytes or pr.reduce_bytes), params * pr.param_bytes
+        updated = learned * pr.param_bytes  # the weights the step changes
         if layout.zero == 0:
             total_bytes += 2 * (n - 1) / n * grads
             hidden += comm.all_reduce_time(grads, link, hw, eff)
         elif layout.zero in (1, 2):
             reductions = 1 if layout.zero == 1 else m
-            total_bytes += (n - 1) / n * (reductions * grads + weights)
+            total_bytes += (n - 1) / n * (reductions * grads + updated)
             hidden += reductions * comm.gather_time(grads, link, hw, eff)
             if runtime.param_gather_overlapped:  # under the next step's first forward, layer by layer
-                ahead += comm.gather_time(weights, link, hw, eff)
+                ahead += comm.gather_time(updated, link, hw, eff)
             else:
-                exposed += comm.gather_time(weights, link, hw, eff)
+                exposed += comm.gather_time(updated, link, hw, eff)
         elif runtime.fsdp_gather_once_in_pipeline and layout.pp > 1:
             # torchtitan under a pipeline: blocks stay gathered over all micro-batches of a step
             # (reshard_after_forward=False) and gradients are reduce-scattered once.
@@ -277,18 +283,21 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     # Data parallelism and the optimizer step, on the rank with the most parameters.
     heaviest = max(ranks, key=lambda p: sum(rank_param_counts(stats, layout, p)))
     dense, experts = rank_param_counts(stats, layout, heaviest)
+    trained = adapter_param_counts(stats, layout, heaviest, workload.lora) if workload.lora.rank else None
     dp_bytes, dp_hidden, dp_ahead, dp_exposed = _dp_time(workload, layout, hw, runtime, dense, experts, m,
-                                               root_params(stats, layout, heaviest))
+                                               root_params(stats, layout, heaviest), trained)
+    backward = backward_share(workload.lora)
     if layout.zero >= 3:  # FSDP prefetches under every micro-batch's compute
         window = m * worst["compute"]
     elif layout.zero == 2:  # a reduce-scatter under every micro-batch's backward
-        window = m * BACKWARD_SHARE * worst["compute"]
+        window = m * backward * worst["compute"]
     else:  # bucketed gradient reduction under the last micro-batch's backward
-        window = BACKWARD_SHARE * worst["compute"]
+        window = backward * worst["compute"]
     dp_visible = (max(0.0, dp_hidden - window * runtime.dp_overlap_fraction) + dp_exposed
-                  + max(0.0, dp_ahead - (1 - BACKWARD_SHARE) * worst["compute"]))
-    local = (dense / layout.shard_degree + experts / expert_shard_degree(layout)
-             if layout.zero >= 1 else dense + experts)
+                  + max(0.0, dp_ahead - (1 - backward) * worst["compute"]))
+    stepped_dense, stepped_experts = trained or (dense, experts)  # what the optimizer updates
+    local = (stepped_dense / layout.shard_degree + stepped_experts / expert_shard_degree(layout)
+             if layout.zero >= 1 else stepped_dense + stepped_experts)
     # Adam reads and writes master weights and both moments, reads the gradient, writes weights.
     optim_bytes = (2 * (pr.optim_bytes + pr.master_bytes) + pr.grad_bytes + pr.accum_bytes
                    + pr.param_bytes)
@@ -304,8 +313,9 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
         moe_partial += stats.n_experts * stats.expert_params
     # Multi-token prediction's eh_proj, whole on every tp rank, sees this rank's tokens under sp.
     mtp_partial = 2 * stats.dim * stats.dim * stats.mtp_depth if layout.sp else 0
+    # (Under LoRA these weights are frozen: no gradient to sum; their adapters' are r/h of them.)
     latent = (max(len(p.layers) * stats.latent_params + p.moe_layers * moe_partial + p.has_output * mtp_partial
-                  for p in ranks) * pr.grad_bytes * (layout.tp > 1))
+                  for p in ranks) * pr.grad_bytes * (layout.tp > 1) * (not workload.lora.rank))
     latent_b = 2 * (layout.tp - 1) / layout.tp * latent
     latent_t = comm.all_reduce_time(latent, links["tp"], hw)
 
