@@ -154,3 +154,16 @@ def test_chunks_without_a_layer_are_planned_and_said_to_be_planner_only(capsys):
     # a split whose counts do not add up to the layers is still one sentence and exit 2
     code, _, err = plan(capsys, *base, "--layout", f"{layout},pp_layers=0," + ",".join(["1"] * 34))
     assert code == 2 and "layer" in err and err.count("\n") == 1
+
+
+def test_no_valid_layout_names_the_commonest_reasons_not_only_the_first(capsys):
+    """One sequence a step on 256 GPUs of llama3-8b: every layout needs pp32 (tp8 at most, no dp,
+    no cp at seq 2048). 1F1B wants 32 micro-batches; the two-stage-per-rank schedules want 64
+    layers. The first rejection alone named 1F1B's, the rarer of the two."""
+    code, _, err = plan(capsys, "--model.preset", "llama3-8b", "--cluster.gpus", "256", "--cluster.gpu", "h100",
+                        "--train.global_batch", "1", "--train.seq_len", "2048", "--parallel.dp", "1",
+                        "--parallel.pp", "1", "--parallel.cp", "1")
+    assert code == 2 and "no valid layout of llama3-8b exists on 256 GPUs" in err
+    assert '6 of 8 layouts because "parallel.pp*pp_virtual = 64 stages exceed model.n_layers=32' in err
+    assert "2 of 8 layouts because \"parallel.pp_schedule='1f1b' needs at least as many micro-batches" in err
+    assert err.index("6 of 8") < err.index("2 of 8")  # the commonest first

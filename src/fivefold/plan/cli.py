@@ -20,7 +20,7 @@ from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse
 from fivefold.plan.report import plot_memory, table, to_json
 from fivefold.plan.short_chunks import NOTE as SHORT_CHUNKS_NOTE, planner_only, trainer_stand_in
 from fivefold.config.file_errors import guarded, need_output_file
-from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, search,
+from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, main_reasons, search,
                                   smallest_fitting_cluster)
 from fivefold.plan.workload import workload_from_config
 from fivefold.config.validate import validate
@@ -251,7 +251,8 @@ def _fits_nowhere(cfg, workload, hw, gpus: int, result, runtime) -> str:
     name = cfg.model.preset
     lean = leanest_layout(cfg, workload, hw, runtime, gpus)
     if lean is None:
-        reason = result.rejected[0].reason if result.rejected else "no degrees divide the cluster"
+        reason = (main_reasons(result.rejected, result.n_rejected) if result.rejected
+                  else "no degrees divide the cluster")
         return (f"no valid layout of {name} exists on {gpus} GPUs ({reason}); "
                 f"change --cluster.gpus or train.global_batch")
     need = f"; even the leanest layout ({lean[0].short()}) needs {lean[1] / GB:.1f} GB per GPU"

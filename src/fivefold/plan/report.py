@@ -7,7 +7,7 @@ import json
 from collections import Counter
 
 from fivefold.plan.estimate import Estimate
-from fivefold.plan.search import Rejected
+from fivefold.plan.search import Rejected, reason_kind
 
 GB = 1e9
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "other")
@@ -73,12 +73,12 @@ def table(candidates: list[Estimate], title: str, rejected: list[Rejected] | Non
     if n_fitting is not None:
         lines += ["", f"{n_fitting} layouts fit; showing the top {len(candidates)}."]
     if rejected:
-        reasons = Counter(_reason_kind(r.reason) for r in rejected)
+        reasons = Counter(reason_kind(r.reason) for r in rejected)
         total = n_rejected if n_rejected is not None else len(rejected)
         lines.append(f"{total} layouts rejected; by kind, among the first {len(rejected)}:")
         seen: set[str] = set()
         for r in rejected:
-            kind = _reason_kind(r.reason)
+            kind = reason_kind(r.reason)
             if kind in seen:
                 continue
             seen.add(kind)
@@ -100,10 +100,6 @@ def _muon_lines(candidates: list[Estimate]) -> list[str]:
         lines.append(f"{i + 1}. {muon['where']}; {_seconds(muon['newton_schulz_s'])} + "
                      f"{_seconds(muon['gather_s'])} s; {spread}")
     return lines
-
-
-def _reason_kind(reason: str) -> str:
-    return "memory" if reason.startswith("needs ") else reason.split("=")[0].split(" ")[0]
 
 
 def plot_memory(candidates: list[Estimate], path: str, memory_limit: float, title: str) -> None:

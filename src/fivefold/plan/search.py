@@ -247,6 +247,23 @@ def rank(estimates: list[Estimate]) -> None:
                                   e.memory.total))
 
 
+def reason_kind(reason: str) -> str:
+    """What a rejection is about: memory, or the option its sentence names first."""
+    return "memory" if reason.startswith("needs ") else reason.split("=")[0].split(" ")[0]
+
+
+def main_reasons(rejected: list[Rejected], total: int = 0, most: int = 2) -> str:
+    """The commonest kinds of rejection, most common first, each as one of its sentences with how
+    many layouts it rejected (among the first len(rejected) of `total`): what to change, where the
+    first rejection alone may name a schedule only some layouts tried."""
+    kinds: dict[str, list[Rejected]] = {}
+    for r in rejected:
+        kinds.setdefault(reason_kind(r.reason), []).append(r)
+    ranked = sorted(kinds.values(), key=lambda rs: -len(rs))[:most]
+    among = f"the first {len(rejected)} of {total}" if total > len(rejected) else f"{len(rejected)}"
+    return " and ".join(f'{len(rs)} of {among} layouts because "{rs[0].reason}"' for rs in ranked)
+
+
 def _reject(result: SearchResult, layout: Layout, reason: str, keep: int) -> None:
     result.n_rejected += 1
     if len(result.rejected) < keep:
