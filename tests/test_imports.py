@@ -36,6 +36,9 @@ UPWARD = {
     # model; validation builds it only for a config that asks for Muon).
     ("fivefold.config.param_groups", "fivefold.models.param_kinds"),
     ("fivefold.config.validate_optimizer", "fivefold.models"),
+    # lora.targets = re:PATTERN: whether the pattern selects any linear layer depends on the
+    # model's weight names and kinds (a meta-device model; built only for a pattern).
+    ("fivefold.config.lora", "fivefold.models"),
 }
 
 

@@ -333,3 +333,15 @@ def test_dropout_draws_in_training_only():
     with torch.no_grad():
         torch.testing.assert_close(wq(x), plain_wq(x), rtol=0, atol=0)
     assert not torch.allclose(wq(x), plain_wq(x), atol=1e-3)
+
+
+def test_a_pattern_that_selects_no_layer_is_one_sentence():
+    """Refused at validation (a meta-device model), before any process group."""
+    from fivefold.config import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(tiny_config({"lora": {**LORA, "targets": "re:router"}}))
+    assert str(err.value).startswith("lora.targets='re:router' selects no linear layer of this model")
+    validate(tiny_config({"lora": {**LORA, "targets": "re:attention\\.w[qv]"}}))
+    assert [n for n, _ in _adapted_model({"lora": {**LORA, "targets": "re:attention\\.w[qv]"}})[1].named_parameters()
+            if "lora_A" in n] == [f"layers.{i}.attention.{w}.lora_A.weight" for i in (0, 1) for w in ("wq", "wv")]

@@ -60,7 +60,10 @@ def check_lora(cfg) -> None:
     lora, t = cfg.lora, cfg.train
     if lora.rank == 0:
         return
-    parse_targets(lora.targets)
+    if parse_targets(lora.targets).pattern:  # a pattern that selects no linear layer: one sentence
+        from fivefold.models import build_meta_model
+
+        build_meta_model(cfg.model, lora)  # on the meta device: no memory
     from fivefold.config.validate_optimizer import runs_muon
 
     if runs_muon(t.optimizer, t.param_groups):
