@@ -26,7 +26,9 @@ the queries and of the attention output (h unless head_dim is explicit, as in Qw
       device has no fused kernel for the shape (CPU: v_head_dim != q/k's), SDPA's math path keeps
       fp32 copies of q, k, v and the fp32 softmax (heads x every key), and ring attention's plain
       path, under 'selective', its fp32 score tiles
-  MLP: gate and up outputs (models/swiglu.py recomputes silu(gate)), silu(gate)·up: 3f/t x A
+  MLP: gate and up outputs (models/swiglu.py recomputes silu(gate)), silu(gate)·up: 3f/t x A; a
+      two-matrix MLP (GeLU, squared ReLU: stats with 2 h f MLP parameters, plan/gemm.py
+      mlp_matrices) its up projection's output and the activation's: 2f/t x A
   MoE instead (weights replicated over tp, tokens split: each tp rank routes 1/t of them, so
       every term below is /t; the ffn norm's output is then read locally, h/t, not gathered):
       the k dispatched copies of each token, their expert output and
@@ -50,6 +52,7 @@ for benchmarks/planner_accuracy.py. Per token of one micro-batch, a layer saves:
   implementation copies: the attention output again (the contiguous copy the output projection
       reads) and q, k before RoPE (kept alive by the fused QKV output they are views of)  3q
   MLP: gate and up 2f, silu(gate) f, silu(gate)*up f        split across tp
+      (two matrices: the up output f and the activation's output f, which 'selective' recomputes)
 (an unfused attention also keeps the a x s softmax). 'selective' recomputes the norms and the
 activation function (drops the norm outputs and silu(gate)); 'full' keeps only each layer's input
 and recomputes one layer at a time during backward. The speed model's elementwise-traffic term
@@ -60,12 +63,18 @@ uses this count in every recipe (it was calibrated with it).
 from __future__ import annotations
 
 from fivefold.plan.branch_split import split_branches
+from fivefold.plan.gemm import mlp_matrices
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import adapter_activation_bytes
 from fivefold.plan.model_stats import ModelStats
 from fivefold.plan.schedule import PipelineRank, in_flight_per_chunk, outputs_held
 from fivefold.plan.workload import Workload
+
+
+def gated(stats: ModelStats) -> bool:
+    """A gated MLP (SwiGLU: three matrices) rather than a two-matrix one (GeLU, squared ReLU)."""
+    return mlp_matrices(stats) == 3
 
 
 def norm_kept(width: float, input_bytes: int) -> float:
@@ -94,7 +103,7 @@ def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq
         mlp = (k * (2 * h + 4 * f) + n_shared * 4 * f) / t + 2 * stats.n_experts / t  # tokens split over tp
         silu = (k + n_shared) * f / t
     else:
-        mlp = 4 * stats.ffn_dim / t
+        mlp = (4 if gated(stats) else 2) * stats.ffn_dim / t
         silu = stats.ffn_dim / t
     total = norms_in + norms_out + attention + mlp
     if recompute == "selective":
@@ -133,8 +142,10 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
         mlp -= gathered - h / t * A
         mlp_selective = (k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A / t
     else:
-        mlp = 3 * stats.ffn_dim / t * A  # gate, up (models/swiglu.py) and their product
-        mlp_selective = (2 * stats.ffn_dim / t + h) * A  # gate and up outputs, the down projection's whole output
+        # gate, up (models/swiglu.py) and their product; a two-matrix MLP: up and the activation's output
+        mlp = (3 if gated(stats) else 2) * stats.ffn_dim / t * A
+        # the up matrices' outputs (gate and up, or up) and the down projection's whole output
+        mlp_selective = ((2 if gated(stats) else 1) * stats.ffn_dim / t + h) * A
     attention = fivefold_attention_bytes(stats, layout, seq_len, recompute, A, fused_attention)
     if recompute == "selective":
         o = stats.o_dim / t
