@@ -23,8 +23,8 @@ MOE = {"moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}}
 DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_layers": 2, "n_kv_heads": 4}
 
 
-def _lora(model=None, targets="attention|mlp", dtype="fp32", **parallel) -> dict:
-    return {"model": model or {}, "parallel": parallel, "train": {**TRAIN, "dtype": dtype},
+def _lora(model=None, targets="attention|mlp", dtype="fp32", recompute="none", **parallel) -> dict:
+    return {"model": model or {}, "parallel": parallel, "train": {**TRAIN, "dtype": dtype, "recompute": recompute},
             "lora": {**LORA, "targets": targets}}
 
 
@@ -44,7 +44,10 @@ LAYOUTS = {"dp2 zero0": _lora(dp=2, zero=0), "dp2 zero1": _lora(dp=2, zero=1),
            "deepseek tp2": _lora(DEEPSEEK_V3, "attention|mlp|experts", tp=2),
            # bf16: the frozen base in bf16 (zero 1) or FSDP2's fp32 shards gathered in bf16 (zero 3),
            # fp32 masters and moments for the adapters only; against the bf16 single process.
-           "dp2 zero1 bf16": _lora(dp=2, zero=1, dtype="bf16"), "dp2 zero3 bf16": _lora(dp=2, zero=3, dtype="bf16")}
+           "dp2 zero1 bf16": _lora(dp=2, zero=1, dtype="bf16"), "dp2 zero3 bf16": _lora(dp=2, zero=3, dtype="bf16"),
+           # Recomputation replays the adapters inside backward: selective keeps the row-parallel
+           # projections' inputs (the adapter is added inside that projection), full keeps nothing.
+           "tp2 selective": _lora(tp=2, recompute="selective"), "dp2 full": _lora(dp=2, recompute="full")}
 
 
 # Resume: "dp2 zero1" saves at step 2 of 4; the same layout continues bit for bit, and tp2, zero 3, pp2
