@@ -83,32 +83,36 @@ def _difference(preset: str, layout: Layout, dtype: str = "fp32"):
 
 def test_zero1_pays_a_gather_and_scatter_per_bucket_and_the_slowest_owner_of_each():
     """llama3-8b at dp8·zero1 in bf16: the trainer's buckets (parallel/data/buckets.py on the
-    model's Muon matrices), each matrix to the least-loaded rank, largest first; the buckets
-    run one after another, so each adds its slowest owner's Newton–Schulz."""
+    model's Muon matrices) and owners (parallel/data/muon_step.py, as each of the 8 ranks builds
+    them); the buckets run one after another, so each adds its slowest owner's Newton–Schulz."""
     import torch
 
     from fivefold.parallel.data.buckets import make_buckets
-    from fivefold.parallel.muon_matrices import ns_flops
+    from fivefold.parallel.data.muon_step import ChunkMatrices
 
     layout = Layout(dp=8, zero=1, mbs=1)
     muon, adamw, hw, runtime = _difference("llama3-8b", layout, "bf16")
     params = [torch.nn.Parameter(torch.empty(rows, cols, device="meta"))
               for _, rows, cols in _muon_matrices(_config("llama3-8b", "muon"))]
-    loads, expected, sent = [0.0] * 8, 0.0, 0.0
-    for bucket in make_buckets(params, padded_to=8):
-        seconds = [0.0] * 8
-        for shape in sorted((tuple(p.shape) for p in bucket.params), key=lambda s: -ns_flops(s)):
-            owner = loads.index(min(loads))
-            loads[owner] += ns_flops(shape)
-            seconds[owner] += _ns_seconds(shape, hw)
+    buckets, chunks = make_buckets(params, padded_to=8), []
+    owned = []  # per rank: id(chunk) -> the (start, end, shape) it orthogonalises
+    for rank in range(8):
+        for bucket in buckets:
+            bucket.group, bucket.group_size, bucket.group_rank = object(), 8, rank
+        chunks = [object() for _ in buckets]
+        matrices = ChunkMatrices(buckets, chunks)
+        owned.append([matrices.owned[id(c)] for c in chunks])
+    expected = sent = 0.0
+    for b, bucket in enumerate(buckets):
+        slowest = max(sum(_ns_seconds(shape, hw) for _, _, shape in owned[r][b]) for r in range(8))
         gather = _ring(4 * bucket.numel, 8, hw, runtime.dp_bw_efficiency)  # the fp32 update
-        expected += 2 * gather + max(seconds)
+        expected += 2 * gather + slowest
         sent += 2 * 7 / 8 * 4 * bucket.numel
     assert muon.step_time_s - adamw.step_time_s == pytest.approx(expected, rel=1e-6)
     assert muon.comm_bytes["dp"] - adamw.comm_bytes["dp"] == pytest.approx(sent, rel=1e-6)
     assert muon.time_parts["newton_schulz"] + muon.time_parts["muon_gather"] == pytest.approx(expected, rel=1e-6)
-    # which rank holds what: the owners' flops per data-parallel rank, as the trainer's log gives them
-    assert muon.muon["gflop_by_rank"]["dense"] == pytest.approx([f / 1e9 for f in loads], abs=1e-3)
+    # which rank holds what: each data-parallel rank's Newton–Schulz flops, the run log's shares
+    assert muon.muon["gflop_by_rank"]["dense"] == pytest.approx([f / 1e9 for f in matrices.shares], abs=1e-3)
 
 
 def test_tp_gathers_each_tensor_and_all_reduces_it_back():

@@ -105,12 +105,13 @@ def _muon_step(stats, layout, order, hw, eff, prank) -> MuonStep:
     # Under ep the routed experts have their own buckets and FSDP2 mesh, on the expert-data-parallel
     # group; without it they are dense weights like the rest.
     streams = ((("dense", False), dense_link, replica_link), (("experts", True), expert_link, comm.Link(1, 1)))
+    pooled = ()  # the owners' loads, kept from the dense buckets to the experts' (muon_step.py)
     for (name, expert), link, replica in streams:
         mine = tuple(t for t in tensors if (t.expert and layout.ep > 1) == expert)
         if not mine:
             continue
         if link.size > 1 and layout.zero in (1, 2):
-            _bucketed(step, name, mine, link, tp_link, layout.tp, hw, eff)
+            pooled = _bucketed(step, name, mine, link, tp_link, layout.tp, hw, eff, pooled)
         elif link.size > 1 and layout.zero >= 3:
             _fsdp(step, name, mine, link, tp_link, replica, layout.tp, hw, eff)
         else:
@@ -144,11 +145,11 @@ def _unsharded(step, name, tensors, tp_link, tp, hw) -> None:
                           "and all-reduced back; MoE and latent matrices whole on every tp rank")
 
 
-def _bucketed(step, name, tensors, link, tp_link, tp, hw, eff) -> None:
+def _bucketed(step, name, tensors, link, tp_link, tp, hw, eff, pooled: tuple) -> tuple:
     """ZeRO-1/2: per bucket an fp32 all-gather and reduce-scatter over the data-parallel group,
     whole matrices on their owners, tensor-parallel shards in it gathered over tp one by one."""
     n = link.size
-    numels, plain_s, plain_loads, split = _bucket_plan(tensors, n, tp, hw)
+    numels, plain_s, plain_loads, split, pooled = _bucket_plan(tensors, n, tp, hw, pooled)
     for numel in numels:
         step.gather_s += 2 * comm.gather_time(UPDATE_BYTES * numel, link, hw, eff)
         step.bytes["dp"] += 2 * (n - 1) / n * UPDATE_BYTES * numel
@@ -163,10 +164,11 @@ def _bucketed(step, name, tensors, link, tp_link, tp, hw, eff) -> None:
     step.where.append(f"{name}: {len(numels)} ZeRO buckets, each fp32 all-gathered and reduce-scattered over "
                       f"{n} data-parallel ranks, each matrix orthogonalised on one of them"
                       + (" (tp shards gathered over tp too)" if split else ""))
+    return pooled
 
 
 @lru_cache(maxsize=1024)
-def _bucket_plan(tensors: tuple[BlockMatrix, ...], n: int, tp: int, hw: Hardware):
+def _bucket_plan(tensors: tuple[BlockMatrix, ...], n: int, tp: int, hw: Hardware, pooled: tuple = ()):
     """(each bucket's local elements, the sum over buckets of the slowest owner's Newton–Schulz
     seconds, flops per data-parallel rank, the tp-split tensors) of parallel/data/buckets.py's
     make_buckets and muon_step.py's owners."""
@@ -179,7 +181,9 @@ def _bucket_plan(tensors: tuple[BlockMatrix, ...], n: int, tp: int, hw: Hardware
             current, size = [], 0
     if current:
         buckets.append(current)
-    heap = [(0.0, r) for r in range(n)]  # (flops owned so far, rank): the least loaded, lowest rank first
+    # (flops owned so far, rank): the least loaded, lowest rank first. The trainer keeps one load
+    # per group index over all its buckets, the experts' after the dense ones: `pooled`.
+    heap = [(pooled[r] if r < len(pooled) else 0.0, r) for r in range(n)]
     flops, seconds, split = [0.0] * n, 0.0, []
     for bucket in buckets:
         here = [0.0] * n
@@ -192,7 +196,9 @@ def _bucket_plan(tensors: tuple[BlockMatrix, ...], n: int, tp: int, hw: Hardware
             here[owner] += ns_seconds(shape, hw)
         seconds += max(here)
     numels = tuple(sum(t.numel // (tp if t.tp_split else 1) for t in b) for b in buckets)
-    return numels, seconds, tuple(flops), tuple(split)
+    loads = dict(enumerate(pooled))
+    loads.update({r: load for load, r in heap})
+    return numels, seconds, tuple(flops), tuple(split), tuple(loads[r] for r in range(len(loads)))
 
 
 def _fsdp(step, name, tensors, link, tp_link, replica, tp, hw, eff) -> None:
