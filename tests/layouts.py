@@ -100,6 +100,7 @@ class Run:
     tied_copies: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
     eval_losses: list[float] = field(default_factory=list)  # the held-out loss of each evaluation
     mtp_losses: list[float] = field(default_factory=list)  # multi-token prediction's loss of each step
+    qk_clipped: list[int] = field(default_factory=list)  # train.qk_clip: heads clipped at each step
     compile_s: float = 0.0  # seconds torch.compile spent (train.compile): 0 when nothing compiled
     # Reference runs only: the largest weight difference between this run and the same settings
     # accumulated in another micro-batch split (the reassociation noise of the tolerance rule).
@@ -154,6 +155,7 @@ def _run_layout(overrides: dict) -> Run:
                tied_copies=_tied_copies(result.parallel),
                eval_losses=[r["val_loss"] for r in result.records if "val_loss" in r],
                mtp_losses=[r["mtp_loss"] for r in result.records if "mtp_loss" in r],
+               qk_clipped=[r["qk_clipped_heads"] for r in result.records if "qk_clipped_heads" in r],
                compile_s=sum(r.get("compile_s", 0.0) for r in result.records))
 
 

@@ -28,3 +28,8 @@ FAMILY_KEYS: dict[str, tuple[str, ...]] = {
     "moe.projection_bias": ("gpt_oss",),
     "moe.activation": ("gpt_oss",),
 }
+
+# train.qk_clip rescales the query and key projections (models/decoder.py Attention.qk_row_scales).
+# Qwen3's per-head q/k RMSNorm undoes any such rescaling, and latent attention (DeepSeek-V3) splits
+# its query and key into parts QK-clip would scale differently (not built): both are refused.
+QK_CLIP_FAMILIES = ("llama", "mixtral", "gpt_oss")

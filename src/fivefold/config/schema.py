@@ -173,6 +173,9 @@ class TrainConfig:
     # Per-group settings, 'SELECTOR: key=value, ...' separated by ';' (config/param_groups.py, docs/optimizers.md);
     # the default exempts norms, biases and embeddings from weight decay
     param_groups: str = "norm|bias|embedding:weight_decay=0"
+    # QK-clip (Kimi K2's MuonClip): after each step, a head whose largest attention logit passed
+    # this threshold has its query and key rows rescaled to bring it back (docs/optimizers.md)
+    qk_clip: float = checked(0.0, ge=0, note="0 = off")
     beta1: float = checked(0.9, ge=0, lt=1)
     beta2: float = checked(0.95, ge=0, lt=1)
     grad_clip: float = checked(1.0, ge=0, note="0 = off")  # 0 = off

@@ -27,6 +27,7 @@ from fivefold.config import ModelConfig
 from fivefold.models.attention_layout import attention_window
 from fivefold.models.documents import document_attention
 from fivefold.models.init import Fill, constant, seeded_normal
+from fivefold.models.logit_max import head_logit_max
 from fivefold.models.masked_attention import masked_attention
 from fivefold.models.rms_norm import RMSNorm
 from fivefold.models.swiglu import swiglu
@@ -80,6 +81,11 @@ class CausalAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
+    def logit_max(self, q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """(heads,): each head's largest logit over what forward(q, k, ...) lets it see."""
+        positions = torch.arange(q.shape[2], device=q.device)
+        return head_logit_max(q, k, positions, positions, self.window, documents, documents)
+
     def extra_repr(self) -> str:
         return f"window={self.window}" if self.window else ""
 
@@ -127,6 +133,28 @@ class Attention(nn.Module):
         # Only a core that knows sinks is given them (config/validate_attention.py refuses the others).
         out = self.core(q, k, v, documents) if self.sinks is None else self.core(q, k, v, documents, self.sinks())
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def qk_row_scales(self, gamma: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        """QK-clip's rescaling (train.qk_clip): `gamma` (n_heads,) is each head's factor on its
+        logits, min(1, τ / its max logit); returns each of wq's and wk's weights and biases with
+        the factor of each of its rows (whole shapes). A key head is shared by its group of query
+        heads, so it takes √(the group's smallest γ) and each query head γ / that: every head's
+        logits scale by its own γ exactly (Kimi K2 splits γ as √γ·√γ, a group of one here)."""
+        kv_heads = self.wk.weight.shape[0] // self.head_dim
+        smallest = gamma.view(kv_heads, -1).amin(dim=1)
+        key = smallest.sqrt()
+        query = gamma / key.repeat_interleave(gamma.numel() // kv_heads)
+        scales = {}
+        for linear, per_head in ((self.wq, query), (self.wk, key)):
+            rows = per_head.repeat_interleave(self.head_dim)
+            scales[linear.weight] = rows
+            if linear.bias is not None:
+                scales[linear.bias] = rows
+        return scales
+
+    def attention_core(self) -> nn.Module:
+        """The module that sees this layer's q and k (the context-parallel one under cp)."""
+        return self.core
 
 
 class FeedForward(nn.Module):

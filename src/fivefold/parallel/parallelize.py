@@ -117,6 +117,10 @@ def step_hooks(parts: list[nn.Module], cfg: Config) -> list[StepHook]:
         hooks.append(ReplicaStep(cfg.parallel.ep_rebalance_every))
     if cfg.model.mtp_depth:
         hooks.append(MultiTokenPredictionStep(cfg.model.mtp_depth))
+    if cfg.train.qk_clip:
+        from fivefold.parallel.qk_clip import QKClipStep
+
+        hooks.append(QKClipStep(parts, cfg.train.qk_clip))
     return hooks
 
 

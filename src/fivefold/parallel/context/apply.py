@@ -165,6 +165,22 @@ class ContextParallelAttention(nn.Module):
         with torch.autocast(q.device.type, enabled=False):
             return self._attend(q, k, v, self.group, documents, self.window, sinks, self.blocks)
 
+    @torch.compiler.disable
+    def logit_max(self, q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """(heads,): each head's largest logit over what this rank's queries see: the keys of
+        the whole sequence are gathered (as the all-gather method does), no autograd."""
+        import torch.distributed as dist
+
+        from fivefold.models.logit_max import head_logit_max
+        from fivefold.parallel.context.gathered import gather_sequence, sequence_documents
+
+        cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        keys = gather_sequence(k.detach(), self.group)
+        q_positions = local_positions(rank, cp, q.shape[2], q.device)
+        k_positions = torch.arange(keys.shape[2], device=q.device)
+        k_documents = sequence_documents(documents, self.group) if documents is not None else None
+        return head_logit_max(q, keys, q_positions, k_positions, self.window, documents, k_documents)
+
     def extra_repr(self) -> str:
         return f"method={self.method}" + (f", window={self.window}" if self.window else "")
 

@@ -40,17 +40,22 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def _gather_kv(k, v, group) -> torch.Tensor:
     """(b, kv_heads, seq, d_k + d_v): every rank's K and V side by side (pack_kv), in sequence order."""
+    return gather_sequence(pack_kv(k, v), group)
+
+
+def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
+    """(b, heads, seq, d): every cp rank's (b, heads, L, d) in sequence order (no autograd)."""
     cp = dist.get_world_size(group)
-    local = pack_kv(k, v)
+    local = local.contiguous()
     gathered = local.new_empty((cp * local.shape[0],) + local.shape[1:])  # gloo wants ranks along dim 0, flat
     _all_gather(gathered, local, group=group)
     gathered = gathered.unflatten(0, (cp, -1))  # (cp, b, hkv, L, d)
     chunks = gathered.movedim(0, 2).unflatten(3, (2, -1)).flatten(2, 3)  # (b, hkv, 2cp, c, d)
-    in_order = torch.tensor(gathered_chunk_order(cp), device=k.device).argsort()
+    in_order = torch.tensor(gathered_chunk_order(cp), device=local.device).argsort()
     return chunks.index_select(2, in_order).flatten(2, 3)
 
 
-def _sequence_documents(documents, group) -> torch.Tensor:
+def sequence_documents(documents, group) -> torch.Tensor:
     """(b, seq): the document ids of the whole sequence, in sequence order, from each rank's (b, L)."""
     cp, local_len = dist.get_world_size(group), documents.shape[1]
     slots = gather_documents(documents, group).movedim(0, 1).flatten(1, 2)  # rank 0's tokens, rank 1's...
@@ -96,7 +101,7 @@ def _visible_blocks(rank, cp, q, window, documents, whole, counts=None):
 def allgather_forward(q, k, v, group, documents=None, whole=None, window: int = 0,
                       counts=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output fp32, LSE fp32 (b, h, L)) of this rank's queries against the whole sequence;
-    `documents` (b, L) this rank's document ids, `whole` the sequence's (`_sequence_documents`)."""
+    `documents` (b, L) this rank's document ids, `whole` the sequence's (`sequence_documents`)."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     scale = q.shape[-1] ** -0.5
     kv, d = _gather_kv(k, v, group), k.shape[-1]
@@ -124,7 +129,7 @@ def allgather_backward(dout, q, k, v, out, lse, group, documents=None, whole=Non
     return dq.to(q.dtype), mine[..., :d].to(k.dtype), mine[..., d:].to(v.dtype)
 
 
-ALLGATHER = BlockMethod(_sequence_documents, allgather_forward, allgather_backward)
+ALLGATHER = BlockMethod(sequence_documents, allgather_forward, allgather_backward)
 
 
 def allgather_attention(q, k, v, group, documents=None, window: int = 0, sinks=None, counts=None) -> torch.Tensor:
@@ -201,7 +206,7 @@ def ulysses_attention(q, k, v, group, documents=None, window: int = 0, sinks=Non
     slot_positions = torch.cat([local_positions(r, cp, local_len, q.device) for r in range(cp)])
     in_order = slot_positions.argsort()
     q, k, v = (t.index_select(2, in_order) for t in (q, k, v))
-    whole = None if documents is None else _sequence_documents(documents, group)
+    whole = None if documents is None else sequence_documents(documents, group)
     if window or sinks is not None:  # this rank's query heads are head group `rank` of the sinks
         mine = None if sinks is None else sinks.unflatten(0, (cp, -1))[dist.get_rank(group)]
         out = masked_attention(q, k, v, window, whole, mine)

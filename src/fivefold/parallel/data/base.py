@@ -22,6 +22,20 @@ from fivefold.parallel.grad_norm import (
 )
 
 
+def local_row_factor(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The factors of this rank's piece of `param` (its local shape) when row i of the whole is
+    multiplied by rows[i]: a DTensor's piece takes the rows its placements give it (a local slice
+    of the expanded factors, no communication)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    whole = rows.to(local_tensor(param).dtype).view(-1, *[1] * (param.dim() - 1)).expand(param.shape)
+    if not isinstance(param, DTensor):
+        return whole
+    mesh = param.device_mesh
+    replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, param.placements).to_local()
+
+
 def trainable(parts: list[nn.Module]) -> list[nn.Parameter]:
     """Each trainable parameter once, even when two parts (pipeline stages) share it."""
     seen, params = set(), []
@@ -144,6 +158,14 @@ class DataParallel:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
+
+    @torch.no_grad()
+    def scale_rows(self, row_scales: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Multiply each given parameter's rows by a factor ((rows,) of its whole shape) in the
+        weights this rank keeps (QK-clip, train/qk_clip.py). Here the parameters are their own
+        masters: whole tensors, or DTensor pieces (tp, FSDP2) that take their rows' factors."""
+        for param, rows in row_scales.items():
+            local_tensor(param).mul_(local_row_factor(param, rows))
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """Gradient storage beyond `param.grad` (flat buckets, sharded gradients)."""

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.parallel.data.base import DataParallel, trainable
+from fivefold.parallel.data.base import DataParallel, local_row_factor, trainable
 from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 from fivefold.parallel.grad_norm import (
     clip_coefficient,
@@ -313,6 +313,20 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
+        self.write_params()
+
+    @torch.no_grad()
+    def scale_rows(self, row_scales: dict) -> None:
+        """As DataParallel.scale_rows, in the master chunks (each chunk takes the factors of the
+        elements it holds), then the parameters written from them again."""
+        for bucket, chunk in zip(self.buckets, self.chunks):
+            lo = bucket.group_rank * chunk.numel() if bucket.group is not None else 0
+            for param, offset, size in zip(bucket.params, bucket.offsets, bucket.sizes):
+                start, end = max(offset, lo), min(offset + size, lo + chunk.numel())
+                if param not in row_scales or start >= end:
+                    continue
+                factor = local_row_factor(param, row_scales[param]).reshape(-1)
+                chunk.data[start - lo:end - lo].mul_(factor[start - offset:end - offset])
         self.write_params()
 
     def write_params(self) -> None:
