@@ -162,7 +162,7 @@ class DataParallel:
     @torch.no_grad()
     def scale_rows(self, row_scales: dict[nn.Parameter, torch.Tensor]) -> None:
         """Multiply each given parameter's rows by a factor ((rows,) of its whole shape) in the
-        weights this rank keeps (QK-clip, train/qk_clip.py). Here the parameters are their own
+        weights this rank keeps (QK-clip, parallel/qk_clip.py). Here the parameters are their own
         masters: whole tensors, or DTensor pieces (tp, FSDP2) that take their rows' factors."""
         for param, rows in row_scales.items():
             local_tensor(param).mul_(local_row_factor(param, rows))
