@@ -233,7 +233,8 @@ def print_tables(results: dict) -> None:
         print("| run | final val loss | final train loss | s/step (concurrent runs) |")
         print("|---|---:|---:|---:|")
         best = set(best_runs(res["runs"]).values())
-        for name, r in res["runs"].items():
+        order = list(sweep(model))
+        for name, r in sorted(res["runs"].items(), key=lambda kv: (order.index(kv[0].split(" seed=")[0]), kv[0])):
             mark = "**" if name in best else ""
             print(f"| {name} | {mark}{r['final_val']:.4f}{mark} | {r['final_train']:.4f} | {r['step_s']:.2f} |")
     if "cost" in results:
@@ -280,6 +281,10 @@ def plot(results: dict, path: str) -> None:
             ax.plot(x, _smooth(r["losses"], window), color=color, linewidth=1.2, label=f"{name} (train, avg of {window})")
             ax.plot([s * tokens / 1e6 for s, _ in r["val"]], [v for _, v in r["val"]], "o--", color=color,
                     markersize=4, linewidth=0.8, label=f"{name} (held-out)")
+            for other, o in runs.items():  # the same lr with another seed, if there is one: the seed noise
+                if other.startswith(name + " seed="):
+                    ax.plot(x[:len(o["losses"])], _smooth(o["losses"], window), color=color, linewidth=0.6, alpha=0.45,
+                            label=f"{other} (train)")
         ax.set_xlabel("tokens (M)")
         ax.set_ylabel("loss (nats per byte)")
         params = next(iter(runs.values()))["params"]
