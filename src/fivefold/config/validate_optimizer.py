@@ -22,9 +22,18 @@ def check_optimizer(cfg) -> None:
         check_qk_clip(cfg)
     if not runs_muon(t.optimizer, t.param_groups):
         return
+    # The groups' verdict depends on the model and the optimizer keys only, not on the layout:
+    # the planner's search validates many layouts of one model (a meta model of qwen3-30b-a3b: ~7 s).
+    key = (repr(cfg.model), t.optimizer, t.param_groups, t.weight_decay)
+    if key in _GROUPS_CHECKED:
+        return
     from fivefold.models import build_meta_model
 
     settings_by_name(t, build_meta_model(cfg.model))  # one sentence if a group gives Muon a vector
+    _GROUPS_CHECKED.add(key)
+
+
+_GROUPS_CHECKED: set[tuple] = set()  # (model, optimizer keys) whose groups passed check_optimizer
 
 
 def check_qk_clip(cfg) -> None:
