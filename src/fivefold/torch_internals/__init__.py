@@ -203,7 +203,8 @@ def fake_store_class() -> type:
     return FakeStore
 
 
-# PipelineStage methods fivefold wraps on each stage: memory release, compute clock, activation probe.
+# PipelineStage methods the schedules call that fivefold overrides (parallel/pipeline/observed_stage.py:
+# memory release, input selection, compute clock) or wraps for a measured step (train/pipeline_probe.py).
 STAGE_METHODS = ("get_fwd_send_ops", "backward_one_chunk", "backward_weight_one_chunk", "set_local_fwd_input",
                  "forward_one_chunk")
 

@@ -15,12 +15,11 @@ the copies stay equal.
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                           ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor
@@ -30,8 +29,8 @@ from fivefold.models.spec import ModelSpec
 from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.grad_norm import local_tensor, settle_grad_layout
 from fivefold.plan.stage_split import SINGLE_STAGE_SCHEDULES, layers_per_stage, stages_of_rank
-from fivefold.torch_internals import (dtensor_local_tensor, is_view, recv_info_buffer, stage_args_recv_info,
-                                      stage_fwd_cache, wrap_stage_method)
+from fivefold.parallel.pipeline.observed_stage import ObservedStage
+from fivefold.torch_internals import dtensor_local_tensor, is_view, recv_info_buffer, stage_args_recv_info, stage_fwd_cache
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -95,38 +94,15 @@ def _release_sent_outputs(stage, free_after_backward: bool) -> None:
     had received the output, and the send was done."""
     sent: dict[int, list] = {}
 
-    def releasing(build_sends):
-        def get_fwd_send_ops(fwd_chunk_id):
-            ops = build_sends(fwd_chunk_id)
-            outputs, _ = stage_fwd_cache(stage)[fwd_chunk_id]
-            if free_after_backward and torch.is_grad_enabled():  # evaluation runs no backward
-                sent[fwd_chunk_id] = [op.tensor.untyped_storage() for op in ops]
-            for output in outputs:
-                _release_data(output)
-            return ops
-        return get_fwd_send_ops
-    wrap_stage_method(stage, "get_fwd_send_ops", releasing)
+    def release(chunk: int, ops) -> None:
+        outputs, _ = stage_fwd_cache(stage)[chunk]
+        if free_after_backward and torch.is_grad_enabled():  # evaluation runs no backward
+            sent[chunk] = [op.tensor.untyped_storage() for op in ops]
+        for output in outputs:
+            _release_data(output)
+    stage.sends_built.append(release)
     if free_after_backward:
-        _after_backward(stage, lambda chunk: [storage.resize_(0) for storage in sent.pop(chunk, ())])
-
-
-def _after_backward(stage, done) -> None:
-    """Call done(micro-batch) once the stage's backward of that micro-batch is over: after a full
-    backward, or after the weight pass of a split one (its input pass keeps the graph)."""
-    def after_full(backward):
-        def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
-            backward(bwd_chunk_id, *args, **kwargs)
-            if kwargs.get("full_backward", args[1] if len(args) > 1 else True):
-                done(bwd_chunk_id)
-        return backward_one_chunk
-
-    def after_weight(weight):
-        def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
-            weight(bwd_chunk_id, *args, **kwargs)
-            done(bwd_chunk_id)
-        return backward_weight_one_chunk
-    wrap_stage_method(stage, "backward_one_chunk", after_full)
-    wrap_stage_method(stage, "backward_weight_one_chunk", after_weight)
+        stage.backward_done.append(lambda chunk: [storage.resize_(0) for storage in sent.pop(chunk, ())])
 
 
 def _release_local_inputs(stage) -> None:
@@ -137,17 +113,13 @@ def _release_local_inputs(stage) -> None:
     send; the second once the next stage's backward of the micro-batch is over."""
     local: set[int] = set()
 
-    def releasing(take):
-        def set_local_fwd_input(prev_stage_outputs, mb_index):
-            take(prev_stage_outputs, mb_index)
-            outputs = prev_stage_outputs if isinstance(prev_stage_outputs, tuple) else (prev_stage_outputs,)
-            for output in outputs:
-                if isinstance(output, torch.Tensor):
-                    _release_data(output)
-            if torch.is_grad_enabled():
-                local.add(mb_index)
-        return set_local_fwd_input
-    wrap_stage_method(stage, "set_local_fwd_input", releasing)
+    def taken(chunk: int, prev_stage_outputs) -> None:
+        outputs = prev_stage_outputs if isinstance(prev_stage_outputs, tuple) else (prev_stage_outputs,)
+        for output in outputs:
+            if isinstance(output, torch.Tensor):
+                _release_data(output)
+        if torch.is_grad_enabled():
+            local.add(chunk)
 
     def release(chunk: int) -> None:
         if chunk in local:
@@ -155,7 +127,8 @@ def _release_local_inputs(stage) -> None:
             for info in stage_args_recv_info(stage)[chunk]:
                 if recv_info_buffer(info) is not None:
                     _release_data(recv_info_buffer(info))
-    _after_backward(stage, release)
+    stage.local_input.append(taken)
+    stage.backward_done.append(release)
 
 
 def _drop_kept_logits(stage) -> None:
@@ -164,15 +137,11 @@ def _drop_kept_logits(stage) -> None:
     caller, which return_outputs=False declines. Dropping the schedule's reference leaves the
     logits to the loss's graph alone, as in the run without a pipeline: the chunked loss
     (parallel/loss.py) keeps them and writes their gradient into them, which no other reader may see."""
-    def dropping(forward):
-        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
-            output = forward(fwd_chunk_id, *args, **kwargs)
-            cache = stage_fwd_cache(stage)
-            _, inputs = cache[fwd_chunk_id]
-            cache[fwd_chunk_id] = ((), inputs)
-            return output
-        return forward_one_chunk
-    wrap_stage_method(stage, "forward_one_chunk", dropping)
+    def drop(chunk: int) -> None:
+        cache = stage_fwd_cache(stage)
+        _, inputs = cache[chunk]
+        cache[chunk] = ((), inputs)
+    stage.after_forward.append(drop)
 
 
 def _release_data(tensor) -> None:
@@ -203,7 +172,6 @@ class Pipeline:
         self.tied = bool(self.tied_pairs)
         self.device = device
         self.has_first, self.has_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
-        self.busy_s = 0.0
         self.n_micro = 0
         # ZeRO-2 sets this: called with a part's index each time a backward action has completed
         # that part's weight gradients of one micro-batch (parallel/data/zero.py reduce-scatters them).
@@ -235,7 +203,7 @@ class Pipeline:
 
     def build_schedule(self, cfg: Config, loss_fn) -> None:
         self.n_micro = micro_batches(cfg)
-        stages = [PipelineStage(part, s, self.n_stages, self.device, group=self.pp_group)
+        stages = [ObservedStage(part, s, self.n_stages, self.device, group=self.pp_group)
                   for part, s in zip(self.parts, self.stage_ids)]
         self.stages = stages
         for index, stage in enumerate(stages):
@@ -246,7 +214,6 @@ class Pipeline:
                 _drop_kept_logits(stage)
             else:
                 _release_sent_outputs(stage, free_after_backward=self.schedule_name != "1f1b")
-            self._time_compute(stage)
             if self.on_weight_grads is not None:
                 self._report_weight_grads(stage, index)
         cls = SCHEDULES[self.schedule_name]
@@ -262,45 +229,13 @@ class Pipeline:
     def _select_inputs(self, stage) -> None:
         """Before each forward of a micro-batch, point the stages at its positions and document ids
         (a recomputed forward in backward reuses the tensors the block was first called with)."""
-        def selecting(forward):
-            def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
-                self.positions.select(fwd_chunk_id)
-                return forward(fwd_chunk_id, *args, **kwargs)
-            return forward_one_chunk
-        wrap_stage_method(stage, "forward_one_chunk", selecting)
-
-    def _time_compute(self, stage) -> None:
-        """Wrap the stage's compute actions with a clock: busy time per step, for the bubble."""
-        def clocked(method):
-            def timed(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return method(*args, **kwargs)
-                finally:
-                    self.busy_s += time.perf_counter() - start
-            return timed
-        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            wrap_stage_method(stage, name, clocked, missing_ok=True)
+        stage.before_forward.append(self.positions.select)
 
     def _report_weight_grads(self, stage, index: int) -> None:
         """Call on_weight_grads(index) after every action that leaves a micro-batch's weight
         gradients complete: a full backward, or a split backward's later weight pass (the input
         pass alone computes no weight gradient)."""
-        def after_full(backward):
-            def backward_one_chunk(*args, **kwargs):
-                backward(*args, **kwargs)
-                if kwargs.get("full_backward", args[2] if len(args) > 2 else True):
-                    self.on_weight_grads(index)
-            return backward_one_chunk
-
-        def after_weight(weight):
-            def backward_weight_one_chunk(*args, **kwargs):
-                weight(*args, **kwargs)
-                self.on_weight_grads(index)
-            return backward_weight_one_chunk
-
-        wrap_stage_method(stage, "backward_one_chunk", after_full)
-        wrap_stage_method(stage, "backward_weight_one_chunk", after_weight)
+        stage.backward_done.append(lambda chunk: self.on_weight_grads(index))
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
             documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,8 +263,9 @@ class Pipeline:
     def take_bubble(self, step_time_s: float) -> float:
         """Measured idle share of the pipeline ranks in the last step: 1 - busy / step time,
         averaged over the pp ranks (busy = time inside the stages' forward/backward actions)."""
-        busy = all_reduce_scalars([self.busy_s], self.pp_group, self.device)
-        self.busy_s = 0.0
+        busy = all_reduce_scalars([sum(stage.busy_s for stage in self.stages)], self.pp_group, self.device)
+        for stage in self.stages:
+            stage.busy_s = 0.0
         return max(0.0, 1.0 - busy.item() / (self.pp * step_time_s))
 
     def _reduce_loss(self, losses: list[torch.Tensor], device) -> torch.Tensor:
