@@ -4,7 +4,7 @@
         [--tiny-steps 300] [--base-steps 100] [--cost-models tiny] [--rounds 7] \
         [--plot benchmarks/muon_vs_adamw.png] [--json OUT]
     OMP_NUM_THREADS=1 python benchmarks/muon_vs_adamw.py --measure-base     # s/step of the base model, to size --base-steps
-    python benchmarks/muon_vs_adamw.py --from-json OUT                       # tables and plot again, without training
+    python benchmarks/muon_vs_adamw.py --from-json OUT[,OUT2...]             # tables and plot again, without training
 
 Curves (`tiny`, `base`): one process per run, `--jobs` runs at a time (one thread each), the
 builtin corpus (the bytes of Python's standard library, as the shipped configs use), the same seed,
@@ -15,8 +15,11 @@ so every run of a model sees the same batches in the same order and starts from 
   ffn 2560, byte vocabulary (tied), seq 128, global batch 8, `--base-steps` steps (warmup 10%).
 Each model is swept over AdamW's lr and Muon's lr (`train.muon_adjust_lr = original`: Muon's own
 lr scale, ~0.02; `train.lr` is then also the lr of the tensors AdamW keeps, the embedding and the
-norms), plus Muon with the AdamW part held at AdamW's usual lr (`param_groups` lr_scale on
-`norm|bias|embedding`) and Muon `match_rms_adamw` (AdamW's lr for both parts). The result of a run
+norms): tiny AdamW 1e-3, 3e-3, 6e-3, 1.2e-2 and Muon 0.01, 0.02, 0.04, 0.08, plus Muon with the
+AdamW part held at AdamW's usual lr (`param_groups` lr_scale on `norm|bias|embedding`), Muon
+`match_rms_adamw` (AdamW's lr for both parts) and `--extra-seeds` more seeds of the usual lrs;
+base AdamW 1e-3, 3e-3 and Muon 0.01, 0.02. `sweep()` runs them in pairs, most informative first,
+and --json is rewritten after every run, so a run stopped early keeps what it finished. The result of a run
 is its held-out loss at the end (the trainer's eval: `eval_batches` batches of the validation
 split) and the mean training loss of its last 10% of steps. The plot shows, per model, the best lr
 of each optimizer by final held-out loss: training loss (moving average) and the held-out points.
@@ -25,8 +28,8 @@ Cost (`cost`): per layout (one process, dp2 zero1, dp2 zero3, tp2: layouts Muon 
 spawn of its ranks, in which AdamW and Muon runs alternate `--rounds` times (A B, then B A, ...),
 so the machine's load hits both alike. A round's time is rank 0's median step after `--warmup`
 steps, on two clocks: the wall clock (ranks wait for each other; on a shared machine it also
-waits for a core) and rank 0's process CPU time (one thread: the work it did; gloo's waits do not
-spin). The ratio Muon / AdamW is taken within each round; its median and range over rounds are
+waits for a core) and rank 0's process CPU time (every thread of the process: the work it did,
+including gloo's, but not time spent descheduled). The ratio Muon / AdamW is taken within each round; its median and range over rounds are
 reported. `--cost-models base` also times the ~100M model (minutes per layout).
 """
 
@@ -46,7 +49,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: spawn
 TINY = {"model": {"preset": "tiny"},
         "train": {"seq_len": 128, "global_batch": 16, "warmup": 20, "eval_batches": 8}}
 BASE = {"model": {"preset": "tiny", "dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 12, "ffn_dim": 2560},
-        "train": {"seq_len": 128, "global_batch": 8, "eval_batches": 8}}
+        "train": {"seq_len": 128, "global_batch": 8, "eval_batches": 4}}
 MODELS = {"tiny": TINY, "base": BASE}
 ADAMW_PART_AT_3E3 = "norm|bias|embedding: weight_decay=0, lr_scale={scale}"
 
@@ -320,7 +323,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of a timed run's median (tiny)")
     parser.add_argument("--plot", default="benchmarks/muon_vs_adamw.png", help="PNG of the curves ('' = none)")
     parser.add_argument("--json", default="", help="write the numbers here (after each part)")
-    parser.add_argument("--from-json", default="", help="read the numbers a --json run wrote instead of running")
+    parser.add_argument("--from-json", default="", help="read the numbers --json runs wrote (comma-separated) instead of running")
     parser.add_argument("--measure-base", action="store_true", help="only time a few steps of the base model")
     args = parser.parse_args()
     if os.environ.get("OMP_NUM_THREADS") != "1":
@@ -331,8 +334,10 @@ def main() -> None:
         measure_base()
         return
     if args.from_json:
-        with open(args.from_json) as f:
-            results = json.load(f)
+        results = {}
+        for path in args.from_json.split(","):  # parts run apart: later files add or replace parts
+            with open(path) as f:
+                results.update(json.load(f))
     else:
         results = {}
 
