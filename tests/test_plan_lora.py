@@ -105,16 +105,19 @@ def _activations(recompute: str, lora_rank: int, dropout: float = 0.0) -> float:
 def test_the_adapters_keep_their_r_wide_intermediates():
     """llama3-8b, one micro-batch of 4096 tokens in bf16, attention and MLP adapted (7 matrices a
     layer, 32 layers): without recomputation B keeps A x (r wide); with dropout A also keeps the
-    dropped input and its mask; selective recomputation keeps both matmuls' outputs; full, nothing."""
+    dropped input and its mask; selective recomputation keeps both matmuls' outputs; full, nothing.
+    In every mode the frozen output layer no longer keeps its input (h wide)."""
     tokens, layers, r, bf16 = 4096, 32, 16, 2
     h, q, kv, f = 4096, 4096, 1024, 14336
-    assert _activations("none", r) - _activations("none", 0) == tokens * layers * 7 * r * bf16
+    output_input = tokens * h * bf16
+    assert _activations("none", r) - _activations("none", 0) == tokens * layers * 7 * r * bf16 - output_input
     inputs = 4 * h + f + 2 * h  # wq, wk, wv, wo read h wide; w2 reads f; w1 and w3 read h
     assert _activations("none", r, 0.1) - _activations("none", 0) == \
-        tokens * layers * (7 * r * bf16 + inputs * (bf16 + 1))
+        tokens * layers * (7 * r * bf16 + inputs * (bf16 + 1)) - output_input
     outputs = q + 2 * kv + h + 2 * f + h  # wq, wk, wv, wo; w1, w3, w2
-    assert _activations("selective", r) - _activations("selective", 0) == tokens * layers * (7 * r + outputs) * bf16
-    assert _activations("full", r) == _activations("full", 0)
+    assert _activations("selective", r) - _activations("selective", 0) == \
+        tokens * layers * (7 * r + outputs) * bf16 - output_input
+    assert _activations("full", r) - _activations("full", 0) == -output_input
 
 
 def _plan(capsys, *argv):
@@ -159,3 +162,42 @@ def test_lora_reduces_and_steps_only_the_adapters_and_skips_the_base_weight_grad
     hw, runtime = hardware_for("h100"), runtime_for()
     adam_bytes = 2 * (8 + 4) + 4 + 0 + 2  # moments and master read and written, gradient read, weights written
     assert lora.time_parts["optimizer"] == pytest.approx(adapters * adam_bytes / hw.hbm_bw + runtime.step_overhead_s)
+
+
+LORA_ACTIVATIONS = {f"{dtype} {mode}{' dropout' if dropout else ''}": (dtype, mode, dropout)
+                    for dtype, mode, dropout in (("fp32", "none", 0.0), ("fp32", "none", 0.1), ("fp32", "selective", 0.0),
+                                                 ("fp32", "full", 0.0), ("bf16", "none", 0.0), ("bf16", "selective", 0.0))}
+
+
+def _kept(dtype: str, mode: str, dropout: float, rank: int) -> tuple[int, float]:
+    """(what one micro-batch's forward keeps, measured by train/activation_probe.py; the planner's
+    activation bytes) of the tiny model in one process."""
+    import torch
+
+    from fivefold.plan import plan_layout
+    from fivefold.train.activation_probe import forward_kept_bytes
+    from fivefold.train.trainer import autocast, setup
+    from layouts import tiny_config
+
+    cfg = tiny_config({"train": {"seq_len": 256, "micro_batch": 2, "global_batch": 2, "recompute": mode,
+                                 "dtype": dtype}, "lora": {"rank": rank, "dropout": dropout}})
+    rt, par = setup(cfg)
+    batch = torch.randint(0, cfg.model.vocab_size, (2, 257), generator=torch.Generator().manual_seed(0))
+    measured = forward_kept_bytes(par, batch, lambda: autocast(cfg, rt.device))
+    return measured, plan_layout(cfg, layout_from_config(cfg), gpu="cpu").memory.activations
+
+
+@pytest.mark.parametrize("label", sorted(LORA_ACTIVATIONS))
+def test_lora_activations_match_what_the_forward_keeps(label):
+    """Against the run: within the planner's 10% everywhere; the change from the same run without
+    LoRA (adapters' intermediates added, the frozen output layer's input and fp32 norms' x·rstd
+    gone) within 0.2% under recomputation and with dropout (to the byte but for dropout's 2 kB),
+    and within 3.5% of the whole without either."""
+    dtype, mode, dropout = LORA_ACTIVATIONS[label]
+    measured, planned = _kept(dtype, mode, dropout, 8)
+    assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
+    if mode != "none" or dropout:
+        base_measured, base_planned = _kept(dtype, mode, 0.0, 0)
+        assert planned - base_planned == pytest.approx(measured - base_measured, rel=0.002)
+    else:
+        assert abs(planned - measured) <= 0.035 * measured, (planned, measured)

@@ -77,10 +77,11 @@ def gated(stats: ModelStats) -> bool:
     return mlp_matrices(stats) == 3
 
 
-def norm_kept(width: float, input_bytes: int) -> float:
+def norm_kept(width: float, input_bytes: int, trained: bool = True) -> float:
     """Bytes an RMSNorm (models/rms_norm.py) keeps per row of `width` elements, rstd aside: its input;
-    an fp32 input through PyTorch's composite also keeps the fp32 x·rstd."""
-    return width * (input_bytes + (4 if input_bytes == 4 else 0))
+    an fp32 input through PyTorch's composite also keeps the fp32 x·rstd, for its weight's gradient
+    only: not when the weight is frozen (LoRA)."""
+    return width * (input_bytes + (4 if input_bytes == 4 and trained else 0))
 
 
 def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq_len: int,
@@ -120,7 +121,7 @@ def rank_activation_elements(stats: ModelStats, prank: PipelineRank, layout: Lay
 
 
 def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len: int, recompute: str,
-                         precision, fused_attention: bool, keep_gathered: bool = False) -> float:
+                         precision, fused_attention: bool, keep_gathered: bool = False, trained: bool = True) -> float:
     """Bytes one of fivefold's blocks keeps per token of one micro-batch on one rank (docstring).
     keep_gathered: parallel.sp_keep_gathered (else, with sp and no recomputation, the matmuls
     reading the gathered sequence keep its shard: parallel/tensor/sharded_inputs.py)."""
@@ -146,7 +147,7 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
         mlp = (3 if gated(stats) else 2) * stats.ffn_dim / t * A
         # the up matrices' outputs (gate and up, or up) and the down projection's whole output
         mlp_selective = ((2 if gated(stats) else 1) * stats.ffn_dim / t + h) * A
-    attention = fivefold_attention_bytes(stats, layout, seq_len, recompute, A, fused_attention)
+    attention = fivefold_attention_bytes(stats, layout, seq_len, recompute, A, fused_attention, trained)
     if recompute == "selective":
         o = stats.o_dim / t
         projection_inputs = [o] if stats.is_moe(layer) else [o, stats.ffn_dim / t]
@@ -161,12 +162,12 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
             mlp_selective += (stats.ffn_dim / t - h) * A
         return 2 * h / s * S + attention + copy + mlp_selective
     # models/rms_norm.py keeps its input in the stream's dtype and an fp32 rstd per row.
-    norms = 2 * (norm_kept(h / s, S) + 4 / s + gathered)  # + each output in A, as the matmuls read it
+    norms = 2 * (norm_kept(h / s, S, trained) + 4 / s + gathered)  # + each output in A, as the matmuls read it
     return norms + attention + mlp
 
 
 def fivefold_attention_bytes(stats: ModelStats, layout: Layout, seq_len: int, recompute: str, A: int,
-                             fused: bool) -> float:
+                             fused: bool, trained: bool = True) -> float:
     """Bytes the attention sub-layer keeps per token ('none' or 'selective'; docstring), q/k/v/o
     the rank's widths of the queries, keys, values and attention output."""
     t, cp, ring = layout.tp, layout.cp, layout.cp_method == "ring"
@@ -196,10 +197,11 @@ def fivefold_attention_bytes(stats: ModelStats, layout: Layout, seq_len: int, re
     else:
         attention = (q + k + v) * A + kernel_out
     if stats.qk_norm:  # the per-head norms' input (the projections' output, A) and rstd per head
-        attention += norm_kept(q + k, A) + 4 * (stats.n_heads + stats.n_kv_heads) / t
+        attention += norm_kept(q + k, A, trained) + 4 * (stats.n_heads + stats.n_kv_heads) / t
     if stats.kv_lora_rank:  # each latent norm: its input, rstd, the output in A; the kv norm's
         # input is a view of kv_a's output, which holds k_pe too
-        attention += norm_kept(latent, A) + A * latent + 4 * (2 if stats.q_lora_rank else 1) + A * stats.rope_dim
+        attention += (norm_kept(latent, A, trained) + A * latent + 4 * (2 if stats.q_lora_rank else 1)
+                      + A * stats.rope_dim)
     if cp > 1 or math:  # the output projection reads a contiguous copy of the head-major output
         attention += o * A
     return attention
@@ -217,7 +219,8 @@ def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recom
     stats, seq = workload.stats, workload.seq_len
     if runtime.activation_recipe == "fivefold":
         return (fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
-                                     hw.fuses_attention(stats), keeps_gathered(workload, runtime))
+                                     hw.fuses_attention(stats), keeps_gathered(workload, runtime),
+                                     trained=not workload.lora.rank)
                 + adapter_activation_bytes(stats, layer, layout, recompute, workload.lora,
                                            workload.precision.act_bytes))
     return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fuses_attention(stats))
@@ -237,7 +240,9 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
         # label per token, and writes their gradient into the logits' own storage (one chunk's fp32
         # temporaries at a time: no per-token working memory).
         sharded = s > 1 and layout.recompute == "none" and not keeps_gathered(workload, runtime)
-        norm = norm_kept(stats.dim / s, pr.param_bytes) + 4 / s + stats.dim / (s if sharded else 1) * pr.act_bytes
+        # A frozen output layer (LoRA: never adapted) keeps no input, which only its weight's gradient reads.
+        read = 0.0 if workload.lora.rank else stats.dim / (s if sharded else 1) * pr.act_bytes
+        norm = norm_kept(stats.dim / s, pr.param_bytes, not workload.lora.rank) + 4 / s + read
         return norm, pr.act_bytes * vocab + 4 + 8, 0.0
     return 2 * stats.dim / s * pr.act_bytes, vocab * runtime.logits_bytes_per_element, 0.0
 

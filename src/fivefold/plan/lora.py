@@ -16,6 +16,10 @@ keeps the dropped copy of x and its mask (1 byte per element); selective recompu
 (parallel/recompute.py) keeps every matmul's output, A x and B A x (out wide, B's rows split like
 W's); full recomputation keeps nothing more than the block input. Experts' adapters see each
 token's top_k copies, and an MoE layer's matmuls 1/tp of the tokens (parallel/tensor/apply.py).
+What only a weight's gradient reads is no longer kept (plan/activations.py): the frozen output
+layer's input, an fp32 norm's x·rstd. On the tiny model (one process, tests/test_plan_lora.py)
+that is the measured difference to the byte under selective and full recomputation (0.1% off
+with dropout); without recomputation and dropout the run keeps 3% less than counted here.
 """
 
 from __future__ import annotations
