@@ -94,7 +94,7 @@ def muon_step(stats: ModelStats, layout: Layout, order: tuple[str, ...], hw: Har
     return _muon_step(stats, key, tuple(order), hw, dp_efficiency, prank)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=4096)  # shared by every caller: read it, never change it
 def _muon_step(stats, layout, order, hw, eff, prank) -> MuonStep:
     group, dense_link, expert_link = comm.data_parallel_links(layout, order, hw.gpus_per_node)
     tp_link = comm.placement(layout, order, ("tp",), hw.gpus_per_node)
