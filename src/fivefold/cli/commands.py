@@ -272,13 +272,16 @@ def cmd_viz(args: list[str]) -> int:
 
 
 def cmd_convert(args: list[str]) -> int:
-    """fivefold checkpoint (any layout) -> Hugging Face folder, or the reverse; direction from SRC."""
+    """fivefold checkpoint (any layout) -> Hugging Face folder, or the reverse; direction from SRC.
+    A LoRA checkpoint -> PEFT adapter folder, or with --merge the merged model's folder."""
+    merge = "--merge" in args
+    args = [a for a in args if a != "--merge"]
     if len(args) != 2 or any(a.startswith("-") for a in args):
-        raise ConfigError("usage: fivefold convert SRC DST (a fivefold checkpoint and a Hugging Face "
-                          "folder, either way round)")
+        raise ConfigError("usage: fivefold convert [--merge] SRC DST (a fivefold checkpoint and a Hugging Face "
+                          "folder, either way round; --merge: a LoRA checkpoint's adapters merged into its base)")
     from fivefold.tools.convert import convert
 
-    print(convert(*args))
+    print(convert(*args, merge=merge))
     return 0
 
 

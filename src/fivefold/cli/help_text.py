@@ -45,7 +45,8 @@ COMMANDS = {
   fivefold prepare SRC... --tokenizer TOKENIZER.json --out DIR --chat --seq-len L [--chat-template FILE.jinja]
                    [--train-roles assistant] [--workers N]   (conversations: packed, with a loss mask)"""),
     "convert": ("turn a fivefold checkpoint into a Hugging Face folder, or the reverse",
-                "  fivefold convert SRC DST   (direction from SRC)"),
+                "  fivefold convert SRC DST   (direction from SRC; a LoRA checkpoint becomes a PEFT adapter folder)\n"
+                "  fivefold convert --merge LORA_CHECKPOINT DST   (the adapters merged into the base, as a Hugging Face folder)"),
     "generate": ("print a sample from a trained checkpoint or an exported Hugging Face folder",
                  '  fivefold generate CHECKPOINT|HF_FOLDER --prompt "TEXT" [--tokens 200] [--temperature 0.8] [--seed 0]\n'
                  "                    [--tokenizer byte|TOKENIZER.json]   (temperature 0 = greedy)\n"

@@ -73,9 +73,6 @@ def check_lora(cfg) -> None:
     if cfg.parallel.ep_replicas:
         raise ConfigError(f"lora.rank={lora.rank} does not run with parallel.ep_replicas={cfg.parallel.ep_replicas} "
                           "yet (the replica slots would train frozen expert copies); set parallel.ep_replicas = 0")
-    if cfg.checkpoint.export_hf:
-        raise ConfigError(f"checkpoint.export_hf does not write LoRA adapters yet (lora.rank={lora.rank}); unset "
-                          "checkpoint.export_hf (the checkpoints hold the adapters)")
     if t.fp8:
         raise ConfigError(f"lora.rank={lora.rank} does not run with train.fp8='{t.fp8}' yet (the FP8 "
                           "projections would drop the adapters beside them); set train.fp8 = \"\" or lora.rank = 0")

@@ -30,8 +30,9 @@ def check_checkpoint(cfg: Config) -> None:
              "checkpoint: set checkpoint.dir or log.dir to say where checkpoints go")
     export = Path(c.export_hf) if c.export_hf else None
     _require(export is None or not export.exists() or (export.is_dir() and not any(export.iterdir())) or
-             (export / "config.json").is_file(), f"checkpoint.export_hf='{c.export_hf}' holds files that are not a "
-             "Hugging Face folder; give a new or empty folder (an earlier export there is replaced)")
+             (export / "config.json").is_file() or (export / "adapter_config.json").is_file(),
+             f"checkpoint.export_hf='{c.export_hf}' holds files that are not a Hugging Face folder or a PEFT adapter "
+             "folder; give a new or empty folder (an earlier export there is replaced)")
 
 
 def parse_steps(text: str) -> set[int]:

@@ -30,7 +30,8 @@ from fivefold.models.hf import DEFAULT_SHARD_BYTES, model_from_tensors
 from fivefold.models.hf_stream import HFBoxes, dequantised_note
 from fivefold.train import checkpoint_manifest, sharded_io
 from fivefold.train.checkpoint import FORMAT, read_state, read_tensors
-from fivefold.train.export import checkpoint_folder, checkpoint_to_hf, model_config, run_tokenizer
+from fivefold.train.export import checkpoint_folder, checkpoint_to_hf, model_config, run_tokenizer, with_tokenizer
+from fivefold.train.lora_export import ADAPTER_CONFIG, adapted_model, lora_of, write_merged_folder
 from fivefold.train.save_failures import storage_error
 
 BLOCK_BYTES = 256 * 2**20  # the largest box an import writes (and a later reader of a slice loads)
@@ -40,7 +41,10 @@ def checkpoint_to_model(path) -> torch.nn.Module:
     """The single-device model with the weights of a fivefold checkpoint (any saving layout), read
     into fresh tensors: the peak is the model plus one stored piece."""
     path = checkpoint_folder(path)
-    cfg = model_config(read_state(path), path)
+    state = read_state(path)
+    cfg = model_config(state, path)
+    if lora_of(state) is not None:  # adapters only: the base is read from where the run read it
+        return adapted_model(path, state, cfg)
     return model_from_tensors(cfg, read_tensors(path, cfg))
 
 
@@ -97,15 +101,19 @@ def hf_to_checkpoint(src, dst, block_bytes: int = BLOCK_BYTES, reader: HFBoxes |
 def _checked_paths(src, dst) -> tuple[Path, Path]:
     """SRC a folder; DST a folder to create, or one this command (or a run) wrote before."""
     src = need_folder(src, "convert SRC", "give a Hugging Face folder or a fivefold checkpoint folder")
-    ours = (lambda p: (p / "config.json").is_file()) if (src / "state.json").is_file() or (src / "latest").is_file() \
+    ours = (lambda p: (p / "config.json").is_file() or (p / ADAPTER_CONFIG).is_file()) \
+        if (src / "state.json").is_file() or (src / "latest").is_file() \
         else (lambda p: (p / "state.json").is_file())
     dst = need_output_folder(dst, "convert DST", "give a new folder to write", ours)
     return src, dst
 
 
-def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
-    """Direction from what SRC is; returns a one-line summary."""
+def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, merge: bool = False) -> str:
+    """Direction from what SRC is; returns a one-line summary. A LoRA checkpoint becomes a PEFT
+    adapter folder, or with `merge` a Hugging Face folder of the merged weights."""
     src, dst = _checked_paths(src, dst)
+    if merge:
+        return _merge(src, dst, max_shard_bytes)
     if (src / "config.json").is_file():
         reader = HFBoxes(src)
         try:
@@ -121,6 +129,23 @@ def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
     if (src / "state.json").is_file() or (src / "latest").is_file():
         tokenizer = run_tokenizer(checkpoint_folder(src))  # its files go beside the weights when they exist
         checkpoint_to_hf(src, dst, max_shard_bytes, tokenizer)
+        if (dst / ADAPTER_CONFIG).is_file():
+            return f"wrote PEFT adapter folder {dst} (fivefold convert --merge {src} DIR writes the merged model)"
         return f"wrote Hugging Face folder {dst}"
     raise ConfigError(f"{src} is neither a Hugging Face folder (config.json) nor a fivefold checkpoint "
                       "(state.json or latest)")
+
+
+def _merge(src: Path, dst: Path, max_shard_bytes: int) -> str:
+    """`convert --merge`: a LoRA checkpoint's adapters merged into its base, as a Hugging Face folder."""
+    if not ((src / "state.json").is_file() or (src / "latest").is_file()):
+        raise ConfigError(f"--merge merges the adapters of a LoRA checkpoint, and {src} is not a fivefold "
+                          "checkpoint (no state.json or latest); give the checkpoint of a run with lora.rank > 0")
+    path = checkpoint_folder(src)
+    state = read_state(path)
+    if lora_of(state) is None:
+        raise ConfigError(f"--merge merges LoRA adapters, and checkpoint {path} holds a whole model (lora.rank "
+                          "was 0); drop --merge to write it as a Hugging Face folder")
+    cfg = model_config(state, path)
+    with_tokenizer(path, dst, run_tokenizer(path), lambda: write_merged_folder(path, state, cfg, dst, max_shard_bytes))
+    return f"wrote Hugging Face folder {dst}: the base with the LoRA adapters of {path} merged into it"

@@ -61,9 +61,15 @@ def run_tokenizer(folder: Path) -> str:
 
 def checkpoint_to_hf(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: str = "byte") -> Path:
     """A Hugging Face folder from a fivefold checkpoint, one tensor in memory at a time; with a
-    `tokenizer` file, its folder's tokenizer files are copied beside the weights."""
+    `tokenizer` file, its folder's tokenizer files are copied beside the weights. A LoRA checkpoint
+    (adapters only) becomes a PEFT adapter folder instead (train/lora_export.py)."""
     path = checkpoint_folder(src)
-    cfg = model_config(read_state(path), path)
+    state = read_state(path)
+    cfg = model_config(state, path)
+    from fivefold.train.lora_export import lora_of, write_peft_folder
+
+    if lora_of(state) is not None:
+        return with_tokenizer(path, dst, tokenizer, lambda: write_peft_folder(path, state, cfg, dst))
     expected = expected_tensors(cfg, with_optimizer=False)  # in state-dict order, which the shards follow
     check_shapes(path, sharded_io.shapes(path), expected, "model")
     dtypes = sharded_io.dtypes(path)
@@ -85,3 +91,15 @@ def checkpoint_to_hf(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, token
     return out
 
 
+
+
+def with_tokenizer(path: Path, dst, tokenizer: str, write) -> Path:
+    """`write()`'s folder with the run's tokenizer files beside it; a write failure in one sentence."""
+    try:
+        out = write()
+        if tokenizer != "byte" and Path(tokenizer).is_file():
+            copy_tokenizer(Path(tokenizer), Path(dst))
+    except OSError as err:
+        raise os_problem(dst, err, verb(err, dst), "or choose another folder to export to; the checkpoint "
+                         f"{path} is unchanged") from None
+    return out

@@ -24,6 +24,10 @@ def check_supported(cfg: Config) -> None:
         from fivefold.models.hf import hf_config_from
 
         hf_config_from(m)  # what transformers cannot express is refused now, not after the run
+        if cfg.lora.rank:  # a PEFT adapter folder: an adapter PEFT cannot load, likewise
+            from fivefold.models.hf_peft import peft_names
+
+            peft_names(m, cfg.lora)
     check_backend(p.backend, torch.cuda.is_available())
     if cfg.train.fp8:
         check_float8(cfg)

@@ -1,0 +1,167 @@
+"""LoRA out of fivefold (train/lora_export.py, models/hf_peft.py): a run fine-tuned from a
+transformers-made folder (`model.init_from`) exports a PEFT adapter folder (`checkpoint.export_hf`)
+that `peft` loads onto the transformers base, `fivefold convert --merge` writes the merged model
+that transformers loads, and `fivefold.load_pretrained` / `fivefold generate` read the LoRA
+checkpoint itself: every logit within 1e-5 (fp32) of fivefold's adapted model of the final
+checkpoint, and greedy tokens equal. Llama (every attention and MLP projection) and Mixtral (the
+experts' adapters, one per expert in PEFT's names)."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import fivefold  # noqa: E402
+from layouts import run_layout  # noqa: E402
+
+from fivefold.config import ConfigError, load_config  # noqa: E402
+from fivefold.tools.convert import convert  # noqa: E402
+from fivefold.tools.generate import generate  # noqa: E402
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+             vocab_size=256, rms_norm_eps=1e-5, max_position_embeddings=1024, tie_word_embeddings=False)
+LORA = {"rank": 4, "alpha": 8.0}
+# lr 1e-2 for 3 steps: B moves far from zero, so the adapted logits differ from the base's by far
+# more than the 1e-5 bound (checked below), and a wrong name, scale or transpose cannot pass.
+TRAIN = {"steps": 3, "lr": 1e-2, "warmup": 1}
+TOL = 1e-5
+
+
+def _decisive(model):
+    """Weights N(0, 0.1): the default init leaves Mixtral's router near zero, where rounding could
+    flip a top-2 choice between two implementations; here routing is decisive."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.1)
+    return model
+
+
+def _folder(path, kind: str) -> str:
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
+                                            sliding_window=None, router_jitter_noise=0.0)
+        _decisive(transformers.MixtralForCausalLM(config)).save_pretrained(path)
+    else:
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_theta=10000.0)).save_pretrained(path)
+    return str(path)
+
+
+def _trained(tmp, kind: str, targets: str) -> dict:
+    folder = _folder(tmp / "base", kind)
+    run_layout({"model": {"init_from": folder}, "train": TRAIN, "lora": {**LORA, "targets": targets},
+                "checkpoint": {"dir": str(tmp / "ckpt"), "export_hf": str(tmp / "peft")}})
+    return {"base": folder, "ckpt": str(tmp / "ckpt"), "peft": str(tmp / "peft"), "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return _trained(tmp_path_factory.mktemp("lora_llama"), "llama", "attention|mlp")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return _trained(tmp_path_factory.mktemp("lora_mixtral"), "mixtral", "attention|experts")
+
+
+def _tokens():
+    return torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(_tokens()).logits
+
+
+def _ours(ckpt) -> torch.Tensor:
+    with torch.no_grad():
+        return fivefold.load_pretrained(ckpt).eval()(_tokens())
+
+
+def _base(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_peft_loads_the_exported_adapter(kind, request):
+    run = request.getfixturevalue(kind)
+    written = json.loads((run["tmp"] / "peft" / "adapter_config.json").read_text())
+    assert written["peft_type"] == "LORA" and written["r"] == 4 and written["lora_alpha"] == 8.0
+    assert written["base_model_name_or_path"] == run["base"]
+    ours, base = _ours(run["ckpt"]), _hf_logits(_base(run["base"]))
+    adapted = _hf_logits(peft.PeftModel.from_pretrained(_base(run["base"]), run["peft"]))
+    moved = (ours - base).abs().max().item()
+    assert moved > 100 * TOL, f"the adapters moved the logits by {moved} only: the comparison would prove nothing"
+    diff = (adapted - ours).abs().max().item()
+    assert diff <= TOL, f"{kind}: PEFT's model differs from fivefold's adapted model by {diff}"
+
+
+def test_the_export_names_the_modules_as_peft_does(llama, mixtral):
+    from safetensors import safe_open
+
+    names = set(safe_open(f"{llama['peft']}/adapter_model.safetensors", "pt").keys())
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in names and len(names) == 2 * 2 * 7
+    experts = set(safe_open(f"{mixtral['peft']}/adapter_model.safetensors", "pt").keys())
+    assert "base_model.model.model.layers.0.block_sparse_moe.experts.3.w2.lora_A.weight" in experts
+    assert len(experts) == 2 * 2 * (4 + 4 * 3)  # 2 layers, A and B, 4 attention + 4 experts x 3 projections
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_merged_folder_equals_the_adapted_model(kind, request):
+    run = request.getfixturevalue(kind)
+    merged = run["tmp"] / "merged"
+    if not merged.exists():
+        assert "merged into it" in convert(run["ckpt"], merged, merge=True)
+    diff = (_hf_logits(_base(merged)) - _ours(run["ckpt"])).abs().max().item()
+    assert diff <= TOL, f"{kind}: the merged folder differs from the adapted model by {diff}"
+
+
+def test_generate_reads_the_lora_checkpoint_and_the_merged_folder(llama):
+    merged = llama["tmp"] / "merged"
+    if not merged.exists():
+        convert(llama["ckpt"], merged, merge=True)
+    _, from_checkpoint = generate(llama["ckpt"], "The ", tokens=12, temperature=0)
+    _, from_merged = generate(str(merged), "The ", tokens=12, temperature=0)
+    _, from_base = generate(llama["base"], "The ", tokens=12, temperature=0)
+    assert from_checkpoint == from_merged
+    assert from_checkpoint != from_base  # the adapters changed what the model says
+
+
+def test_convert_without_merge_writes_the_peft_folder(llama):
+    again = llama["tmp"] / "peft-again"
+    assert convert(llama["ckpt"], again).startswith("wrote PEFT adapter folder")
+    assert (again / "adapter_model.safetensors").read_bytes() == (llama["tmp"] / "peft" / "adapter_model.safetensors").read_bytes()
+
+
+def test_a_changed_base_is_refused(llama):
+    from fivefold.train.checkpoint import read_state
+    from fivefold.train.export import checkpoint_folder, model_config
+    from fivefold.train.lora_export import adapted_model
+
+    path = checkpoint_folder(llama["ckpt"])
+    state = read_state(path)
+    other = {**state, "lora_base": {**state["lora_base"], "sha256": "0" * 64}}
+    with pytest.raises(ConfigError, match=r"that folder now holds other weights.*put the base the run trained on back"):
+        adapted_model(path, other, model_config(state, path))
+
+
+def test_merge_of_a_whole_model_checkpoint_is_refused(tmp_path):
+    run_layout({"train": {"steps": 1}, "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1}})
+    with pytest.raises(ConfigError, match=r"--merge merges LoRA adapters, and checkpoint .* holds a whole model.*drop --merge"):
+        convert(tmp_path / "ckpt", tmp_path / "out", merge=True)
+
+
+def test_fused_experts_are_refused_before_the_run():
+    """gpt-oss keeps gate and up interleaved in one (experts, in, 2 f) tensor: no module for PEFT."""
+    from fivefold.train.supported import check_supported
+
+    cfg = load_config(None, {"model": {"preset": "tiny-gpt-oss", "n_layers": 2},
+                             "lora": {**LORA, "targets": "attention|experts"},
+                             "checkpoint": {"dir": "unused", "export_hf": "unused-export"}})
+    with pytest.raises(ConfigError, match=r"lora.targets='attention\|experts' adapts layers.0.feed_forward.experts.w1, "
+                                          r"which .* stores inside the fused tensor .*gate_up_proj.*convert --merge"):
+        check_supported(cfg)
