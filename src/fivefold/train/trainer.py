@@ -266,7 +266,8 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
         # One process, one tensor at a time, from the checkpoint just written (any layout wrote it).
         export.checkpoint_to_hf(checkpoint_root_or_none(cfg, t.steps), cfg.checkpoint.export_hf,
                                 tokenizer=export.data_tokenizer(cfg.data.tokenizer, cfg.data.source))
-        print(f"exported step {t.steps} as a Hugging Face folder: {cfg.checkpoint.export_hf}", flush=True)
+        kind = "a PEFT adapter folder" if cfg.lora.rank else "a Hugging Face folder"
+        print(f"exported step {t.steps} as {kind}: {cfg.checkpoint.export_hf}", flush=True)
     writer.close()
     return result
 
