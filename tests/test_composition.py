@@ -82,6 +82,11 @@ COMPILED = layout(DENSE, dp=2, zero=1, tp=2, pp=2, cp=2, compile=True)
 # gradient norm 4.8e-5 off, 10x the norm noise of the single process's own reassociation (whose
 # step-1 weights differ as much: 3.1e-4). tests/test_muon_compositions.py trains two steps on 4 ranks.
 MUON = layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, optimizer="muon", lr=0.02, steps=1)
+# LoRA (docs/fine-tuning.md#lora): adapters beside attention, MLP and expert layers, the base frozen;
+# tests/test_lora.py has each dimension alone. lr 1e-2: the adapters (B starts at zero) must move
+# the run well beyond the bounds.
+LORA = {**layout(MOE, dp=2, zero=1, tp=2, pp=2, schedule="zbv", cp=2, ep=2, lr=1e-2),
+        "lora": {"rank": 4, "alpha": 8.0, "targets": "attention|mlp|experts"}}
 # Document masking (data.document_mask, tests/test_document_mask.py) on a corpus of short documents:
 # the ids reach every stage, and the ring masks blocks, under all five dimensions.
 DOCUMENTS = layout(DENSE, dp=2, zero=1, tp=2, pp=2, cp=2)
@@ -159,7 +164,7 @@ def sixteen_rank_results(document_source):
     # 16 ranks on a 2-core machine: several minutes; the timeout only guards against a hang.
     # (The matrix's 16 ranks are a spawn of their own: every layout leaves its gloo groups' threads
     # behind in a rank, and 17 layouts in one spawn ran 4x slower than 10 and 7 apart.)
-    return run_on_ranks(16, _sixteen, [*FULL, BF16, with_documents(DOCUMENTS, document_source), MUON],
+    return run_on_ranks(16, _sixteen, [*FULL, BF16, with_documents(DOCUMENTS, document_source), MUON, LORA],
                         timeout_s=1200)
 
 
@@ -194,6 +199,19 @@ def test_document_mask_5d(sixteen_rank_results, document_source):
 
 def test_muon_5d(sixteen_rank_results):
     check([runs for runs, _ in sixteen_rank_results], len(FULL) + 2, MUON)
+
+
+def test_lora_5d(sixteen_rank_results):
+    """Equal to the single-process LoRA run, and the frozen base bit for bit as it started."""
+    import torch
+
+    from test_lora import _initial
+
+    check([runs for runs, _ in sixteen_rank_results], len(FULL) + 3, LORA)
+    initial = _initial(LORA)
+    for rank, (runs, _) in enumerate(sixteen_rank_results):
+        for name, value in initial.items():
+            assert torch.equal(runs[len(FULL) + 3].weights[name], value), f"rank {rank}: {name} moved"
 
 
 def test_rank_map_is_what_the_run_builds(sixteen_rank_results):
