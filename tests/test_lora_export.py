@@ -120,14 +120,24 @@ def test_merged_folder_equals_the_adapted_model(kind, request):
     assert diff <= TOL, f"{kind}: the merged folder differs from the adapted model by {diff}"
 
 
-def test_generate_reads_the_lora_checkpoint_and_the_merged_folder(llama):
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_load_pretrained_reads_the_peft_folder(kind, request):
+    run = request.getfixturevalue(kind)
+    with torch.no_grad():
+        back = fivefold.load_pretrained(run["peft"]).eval()(_tokens())
+    diff = (back - _ours(run["ckpt"])).abs().max().item()
+    assert diff <= TOL, f"{kind}: the PEFT folder read back differs from the adapted model by {diff}"
+
+
+def test_generate_reads_the_lora_checkpoint_the_merged_and_the_peft_folder(llama):
     merged = llama["tmp"] / "merged"
     if not merged.exists():
         convert(llama["ckpt"], merged, merge=True)
     _, from_checkpoint = generate(llama["ckpt"], "The ", tokens=12, temperature=0)
     _, from_merged = generate(str(merged), "The ", tokens=12, temperature=0)
+    _, from_peft = generate(llama["peft"], "The ", tokens=12, temperature=0)
     _, from_base = generate(llama["base"], "The ", tokens=12, temperature=0)
-    assert from_checkpoint == from_merged
+    assert from_checkpoint == from_merged == from_peft
     assert from_checkpoint != from_base  # the adapters changed what the model says
 
 
@@ -165,3 +175,18 @@ def test_fused_experts_are_refused_before_the_run():
     with pytest.raises(ConfigError, match=r"lora.targets='attention\|experts' adapts layers.0.feed_forward.experts.w1, "
                                           r"which .* stores inside the fused tensor .*gate_up_proj.*convert --merge"):
         check_supported(cfg)
+
+
+@pytest.mark.parametrize("change, sentence", [
+    ({"use_dora": True}, r"sets use_dora=True, which fivefold's LoRA does not compute"),
+    ({"base_model_name_or_path": "meta-llama/Llama-3.1-8B"},
+     r"names base_model_name_or_path='meta-llama/Llama-3.1-8B', which is not a Hugging Face folder on this machine")])
+def test_a_peft_folder_fivefold_cannot_read_is_one_sentence(llama, tmp_path, change, sentence):
+    import shutil
+
+    folder = tmp_path / "adapter"
+    shutil.copytree(llama["peft"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConfigError, match=sentence):
+        fivefold.load_pretrained(folder)

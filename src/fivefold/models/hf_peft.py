@@ -10,12 +10,21 @@ Stacked experts (experts, out, in) whose Hugging Face files keep one matrix per 
 Qwen3-MoE, DeepSeek-V3: `...experts.{e}.w1.weight`) get one adapter per expert, the e-th slices
 of ours. A weight that Hugging Face stores inside a fused tensor (gpt-oss's `gate_up_proj`, gate
 and up interleaved) has no module of its own for a PEFT adapter: refused in one sentence.
+
+`load_peft_folder` reads such a folder back onto its base (the same names, the other way).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
 
 from fivefold.config import ConfigError
 from fivefold.models.lora import A, B, is_adapter
@@ -97,3 +106,77 @@ def _target_modules(cfg, adapted: set[str]) -> list[str]:
     if all(every[leaf] <= adapted for leaf in leaves):
         return sorted(leaves)
     return sorted(adapted)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a PEFT adapter folder back (fivefold.load_pretrained, fivefold generate)
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# adapter_config.json settings whose LoRA fivefold does not compute, with the value that it does
+_PLAIN_LORA = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bias": "none", "fan_in_fan_out": False,
+               "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None, "target_parameters": None}
+
+
+def _adapter_config(folder: Path) -> dict:
+    from fivefold.config.file_errors import guarded
+
+    file = folder / ADAPTER_CONFIG
+    with guarded(file, "read", "export the adapter again"):
+        text = file.read_text()
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{file} is not valid JSON ({err}); export the adapter again") from None
+    for key, plain in _PLAIN_LORA.items():
+        value = config.get(key, plain)
+        if value != plain and not (not value and not plain):  # an empty pattern or list is the plain value
+            raise ConfigError(f"{file} sets {key}={config[key]!r}, which fivefold's LoRA does not compute (it reads "
+                              f"plain LoRA: {key}={plain!r}); merge the adapter with peft and load the merged folder")
+    base = config.get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ConfigError(f"{file} names base_model_name_or_path={base!r}, which is not a Hugging Face folder on "
+                          "this machine; set it to the local folder of the base model the adapter was trained on")
+    return config
+
+
+def load_peft_folder(folder) -> nn.Module:
+    """The single-device model of a PEFT LoRA adapter folder: the base its adapter_config.json names
+    (a local Hugging Face folder), with the adapters beside the modules adapter_model.safetensors
+    names (fp32)."""
+    from safetensors.torch import load_file
+
+    from fivefold.config.schema import LoraConfig
+    from fivefold.models.hf import load_pretrained
+    from fivefold.models.lora import add_adapters
+
+    folder = Path(folder)
+    config = _adapter_config(folder)
+    model = load_pretrained(config["base_model_name_or_path"])
+    stored = load_file(str(folder / ADAPTER_WEIGHTS))
+    lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=0.0,
+                      targets="attention|mlp|experts")
+    try:
+        names = peft_names(model.cfg, lora)
+    except ConfigError:  # fused experts (gpt-oss) carry no PEFT adapter: the rest may
+        names = peft_names(model.cfg, dataclasses.replace(lora, targets="attention|mlp"))
+    known = {peft for targets in names.tensors.values() for peft, _ in targets}
+    unknown = sorted(set(stored) - known)
+    if unknown:
+        raise ConfigError(f"{folder / ADAPTER_WEIGHTS} holds {unknown[0]}, which is no LoRA A or B of a module "
+                          f"of the base {config['base_model_name_or_path']}; check base_model_name_or_path")
+    present = {ours: targets for ours, targets in names.tensors.items() if all(p in stored for p, _ in targets)}
+    weights = sorted({adapted_weight(ours) for ours in present})
+    if not weights:
+        raise ConfigError(f"{folder / ADAPTER_WEIGHTS} holds no LoRA adapter; export the adapter again")
+    add_adapters(model, dataclasses.replace(lora, targets="re:^(" + "|".join(map(re.escape, weights)) + ")$"))
+    with torch.no_grad():
+        for ours, targets in present.items():
+            param = model.get_parameter(ours)
+            for peft, expert in targets:
+                into = param if expert is None else param[expert]
+                if tuple(stored[peft].shape) != tuple(into.shape):
+                    raise ConfigError(f"{folder / ADAPTER_WEIGHTS}: {peft} has shape {list(stored[peft].shape)}, "
+                                      f"and the base's module needs {list(into.shape)}; the adapter was trained on "
+                                      "another base or rank")
+                into.copy_(stored[peft])
+    return model

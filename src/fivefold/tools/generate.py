@@ -1,8 +1,9 @@
 """`fivefold generate CHECKPOINT --prompt TEXT [--chat]`: a sample from a trained checkpoint or an
 exported Hugging Face folder, so a user sees what the run learned.
 
-The single-device model comes from the checkpoint (any saving layout, convert.checkpoint_to_model)
-or the folder (models.hf.load_pretrained); the tokenizer is the run's `data.tokenizer` (from the
+The single-device model comes from the checkpoint (any saving layout, convert.checkpoint_to_model;
+a LoRA checkpoint: its base with the adapters), the folder (models.hf.load_pretrained) or a PEFT
+adapter folder (its base with the adapters, models/hf_peft.py); the tokenizer is the run's `data.tokenizer` (from the
 checkpoint's config.toml; byte when it names none), or the folder's tokenizer.json, unless
 --tokenizer is given. `--chat` renders the prompt as a user message with the tokenizer's chat
 template (train/chat_template.py, as `fivefold prepare --chat` renders the training data) and
@@ -19,6 +20,7 @@ import torch
 
 from fivefold.config import ConfigError
 from fivefold.config.file_errors import need_folder
+from fivefold.models.hf_peft import ADAPTER_CONFIG
 from fivefold.tools.convert import checkpoint_folder, checkpoint_to_model
 from fivefold.train.export import run_tokenizer
 from fivefold.train.data import ByteTokenizer, HFTokenizer
@@ -36,6 +38,13 @@ def _source(path, tokenizer: str):
     """(single-device model, tokenizer name, where the name came from) of a fivefold checkpoint or
     of a Hugging Face folder (an export: its own tokenizer.json beside the weights)."""
     path = Path(path)
+    if (path / ADAPTER_CONFIG).is_file():  # a PEFT adapter folder: its base with the adapters
+        from fivefold.models.hf_peft import load_peft_folder
+
+        own = path / "tokenizer.json"
+        name, what = (tokenizer, "--tokenizer") if tokenizer else (str(own) if own.is_file() else "byte",
+                                                                   f"the tokenizer of {path}")
+        return load_peft_folder(path), name, what
     if (path / "config.json").is_file() and not (path / "state.json").is_file():
         from fivefold.models.hf import load_pretrained
 

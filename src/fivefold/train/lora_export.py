@@ -23,10 +23,9 @@ import torch
 
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.config.schema import LoraConfig
+from fivefold.models.hf_peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from fivefold.models.lora import is_adapter
 from fivefold.train.checkpoint import read_tensors
-
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 def lora_of(state: dict) -> LoraConfig | None:
