@@ -21,6 +21,7 @@ LORA = {"rank": 4, "alpha": 8.0}
 TRAIN = {"micro_batch": 2, "steps": 4, "lr": 1e-2}
 MOE = {"moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}}
 DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_layers": 2, "n_kv_heads": 4}
+GPT_OSS = {"preset": "tiny-gpt-oss", "n_layers": 2}
 
 
 def _lora(model=None, targets="attention|mlp", dtype="fp32", recompute="none", **parallel) -> dict:
@@ -42,6 +43,8 @@ LAYOUTS = {"dp2 zero0": _lora(dp=2, zero=0), "dp2 zero1": _lora(dp=2, zero=1),
            # Latent attention's replicated down-projections (Partial gradients for A and B), an MoE
            # with shared experts, multi-token prediction's block.
            "deepseek tp2": _lora(DEEPSEEK_V3, "attention|mlp|experts", tp=2),
+           # Biased attention projections and experts with biases and the clamped SwiGLU.
+           "gpt-oss tp2": {**_lora(GPT_OSS, "attention|mlp|experts", tp=2), "train": {**TRAIN, "seed": 5}},
            # bf16: the frozen base in bf16 (zero 1) or FSDP2's fp32 shards gathered in bf16 (zero 3),
            # fp32 masters and moments for the adapters only; against the bf16 single process.
            "dp2 zero1 bf16": _lora(dp=2, zero=1, dtype="bf16"), "dp2 zero3 bf16": _lora(dp=2, zero=3, dtype="bf16"),
@@ -54,6 +57,8 @@ LAYOUTS = {"dp2 zero0": _lora(dp=2, zero=0), "dp2 zero1": _lora(dp=2, zero=1),
 # and one process (test_resume_on_one_process) within the layout tolerances.
 SAVED = "dp2 zero1"
 RESUMES = ("dp2 zero1", "tp2", "dp2 zero3", "pp2 1f1b")
+# The experts' stacked adapters and their moments, saved whole-expert by tp2 and sliced by ep2.
+MOE_SAVED, MOE_RESUME = "moe tp2", "moe dp2 ep2 zero1"
 # From a transformers-made Llama folder (model.init_from): the base read from its files, saved by
 # dp2 zero2 at step 2 and continued under tp2, whose base is read from the folder again.
 HF_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -70,10 +75,12 @@ def _checkpointed(layout: dict, **keys) -> dict:
 
 
 def two_ranks(root: str, folder: str) -> dict:
-    out = {label: run_layout(_checkpointed(layout, dir=root, every=2) if label == SAVED else layout)
+    saving = {SAVED: root, MOE_SAVED: f"{root}/moe"}
+    out = {label: run_layout(_checkpointed(layout, dir=saving[label], every=2) if label in saving else layout)
            for label, layout in LAYOUTS.items()}
     for label in RESUMES:
         out[f"resumed {label}"] = run_layout(_checkpointed(LAYOUTS[label], resume=f"{root}/step_00000002"))
+    out[f"resumed {MOE_RESUME}"] = run_layout(_checkpointed(LAYOUTS[MOE_RESUME], resume=f"{root}/moe/step_00000002"))
     out["folder dp2 zero2"] = run_layout(_checkpointed(_from_folder(folder, dp=2, zero=2), dir=f"{root}/hf", every=2))
     out["folder resumed tp2"] = run_layout(_checkpointed(_from_folder(folder, tp=2), resume=f"{root}/hf/step_00000002"))
     return out
@@ -275,6 +282,13 @@ def test_resume_under_another_layout(runs, label):
     for rank, results in enumerate(runs):
         assert_same_run(results[f"resumed {label}"], want, weight_atol=_atol(label),
                         label=f"lora resumed under {label} rank {rank}")
+
+
+def test_moe_resume_under_expert_parallelism(runs):
+    want = _continued(reference(LAYOUTS[MOE_SAVED]), 2)
+    for rank, results in enumerate(runs):
+        assert_same_run(results[f"resumed {MOE_RESUME}"], want, weight_atol=TP_WEIGHT_ATOL,  # saved under tp2
+                        label=f"lora moe resumed under ep2 rank {rank}")
 
 
 def test_resume_on_one_process(runs, root):

@@ -1,7 +1,8 @@
 """LoRA (models/lora.py) with the dimensions composed: one 4-rank spawn trains dp2·tp2 (zero 1),
-tp2·pp2 (1f1b), dp2·pp2 at zero 3 (FSDP2 shards the frozen base beside the adapters), cp2·tp2, and
-an MoE with adapters on its experts at dp2·ep2·tp2, each equal to the single-process LoRA run under
-the harness rule (tests/layouts.py), the base bit for bit as it started."""
+tp2·pp2 (1f1b), dp2·pp2 at zero 3 (FSDP2 shards the frozen base beside the adapters), cp2·tp2, an
+MoE with adapters on its experts at dp2·ep2·tp2 and HSDP (dp4, shards of 2), each equal to the
+single-process LoRA run under the harness rule (tests/layouts.py), the base bit for bit as it
+started. The 16-rank 5D layout is in tests/test_composition.py (test_lora_5d)."""
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ def _lora(model=None, targets="attention|mlp", **parallel) -> dict:
 
 LAYOUTS = {"dp2 tp2 zero1": _lora(dp=2, tp=2, zero=1), "tp2 pp2": _lora(tp=2, pp=2),
            "dp2 pp2 zero3": _lora(dp=2, pp=2, zero=3), "cp2 tp2": _lora(cp=2, tp=2),
-           "moe dp2 ep2 tp2": _lora(MOE, "attention|mlp|experts", dp=2, ep=2, tp=2, zero=1)}
+           "moe dp2 ep2 tp2": _lora(MOE, "attention|mlp|experts", dp=2, ep=2, tp=2, zero=1),
+           # HSDP: the frozen base sharded in pairs, the pairs replicated; adapters' gradients reduced.
+           "hsdp dp4 shard2": _lora(dp=4, dp_shard=2, zero=3)}
 
 
 def four_ranks() -> dict:
