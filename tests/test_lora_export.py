@@ -46,6 +46,10 @@ def _folder(path, kind: str) -> str:
         config = transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
                                             sliding_window=None, router_jitter_noise=0.0)
         _decisive(transformers.MixtralForCausalLM(config)).save_pretrained(path)
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                                             head_dim=16, rope_theta=1e6)
+        _decisive(transformers.Qwen3MoeForCausalLM(config)).save_pretrained(path)
     else:
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_theta=10000.0)).save_pretrained(path)
     return str(path)
@@ -68,6 +72,11 @@ def mixtral(tmp_path_factory):
     return _trained(tmp_path_factory.mktemp("lora_mixtral"), "mixtral", "attention|experts")
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return _trained(tmp_path_factory.mktemp("lora_qwen3_moe"), "qwen3_moe", "attention|experts")
+
+
 def _tokens():
     return torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
 
@@ -86,7 +95,7 @@ def _base(folder):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen3_moe"])
 def test_peft_loads_the_exported_adapter(kind, request):
     run = request.getfixturevalue(kind)
     written = json.loads((run["tmp"] / "peft" / "adapter_config.json").read_text())
