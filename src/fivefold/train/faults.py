@@ -140,3 +140,21 @@ def maybe_slow(cfg: Config, rank: int) -> None:
 def inject_nan(cfg: Config, step: int) -> bool:
     d = cfg.debug
     return bool(d.nan_at_step) and d.nan_at_step <= step < d.nan_at_step + d.nan_steps
+
+
+class Injection:
+    """The [debug] faults a test asks for, at the three moments of a step they act on: the loop
+    calls all three every step, and nothing happens unless a debug key is set."""
+
+    def __init__(self, cfg: Config, rank: int, stops):
+        self.cfg, self.rank, self.stops = cfg, rank, stops  # stops: the run's preemption.StopRequests
+
+    def step_began(self, step: int) -> None:
+        maybe_crash(self.cfg, step, self.rank)
+        maybe_slow(self.cfg, self.rank)
+
+    def grad_norm(self, step: int, norm: float) -> float:
+        return float("nan") if inject_nan(self.cfg, step) else norm
+
+    def step_ended(self, step: int) -> None:
+        self.stops.inject(self.cfg.debug, step, self.rank)

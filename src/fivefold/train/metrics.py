@@ -8,6 +8,7 @@ a token visits), with the peak from the planner's table (plan/hardware.py).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from fivefold.config import ConfigError
 from fivefold.config.file_errors import guarded
 from fivefold.plan.hardware import device_peak_flops
 
@@ -171,3 +173,30 @@ class DeadExpertWatch:
                                  f"steps in a row (step {record['step']}): its router ignores it "
                                  "(log.dead_expert_steps sets when this is said; 0 = never)")
         return lines
+
+
+class NonFiniteSteps:
+    """Steps in a row whose loss or gradient norm was not finite. The norm is the same number on
+    every rank, so every rank skips such a step's update alike; each is warned, and
+    train.max_bad_steps of them in a row stop the run with one sentence."""
+
+    def __init__(self, limit: int, is_main: bool):
+        self.limit, self.is_main, self.in_a_row = limit, is_main, 0
+
+    def count(self, record: dict) -> bool:
+        """Whether the step was finite; marks a skipped one in its record and warns."""
+        if math.isfinite(record["grad_norm"]):
+            self.in_a_row = 0
+            return True
+        record["skipped"] = True
+        self.in_a_row += 1
+        if self.is_main:
+            print(f"warning: step {record['step']}: non-finite gradient norm (loss {record['loss']}); update "
+                  f"skipped ({self.in_a_row} in a row)", file=sys.stderr, flush=True)
+        return False
+
+    def stop_if_too_many(self, step: int) -> None:
+        if self.in_a_row >= self.limit:
+            raise ConfigError(f"training stopped at step {step}: the loss or gradient norm was not finite for "
+                              f"{self.in_a_row} steps in a row (train.max_bad_steps); lower train.lr, check the "
+                              "data, or resume from an earlier checkpoint")

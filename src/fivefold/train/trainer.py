@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ConfigError, micro_batches
+from fivefold.config import Config, micro_batches
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
 from fivefold.models.lora import adapter_initial_values, describe_adapters
@@ -27,7 +27,7 @@ from fivefold.runtime import Runtime, init_process_group, runtime_from_env
 from fivefold.train import checkpoint, export, faults, hangs, observe, preemption
 from fivefold.train.checkpoint_space import space_warning
 from fivefold.train.data import load_training_data
-from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, cuda_memory, peak_flops
+from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, NonFiniteSteps, cuda_memory, peak_flops
 from fivefold.train.mixture import GlobalBatches
 from fivefold.train.optim import build_optimizer, lr_multiplier, lr_scheduler, muon_tensors
 from fivefold.train.prefetch import BatchPrefetcher
@@ -123,153 +123,175 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     muon = par.muon_layout()
     optimizer = par.optimizer(lambda params: build_optimizer(params, par.settings_of, t, muon))
     scheduler = lr_scheduler(optimizer, t)
-    n_micro = micro_batches(cfg)
-    tokens_per_step = t.global_batch * t.seq_len
-    stats = model_stats(cfg.model)  # MFU: the planner's formula, active parameters for MoE
-    peak = peak_flops(rt.device, t.dtype, cfg.cluster.peak_tflops)
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
                            cfg.log.progress, wandb_run(cfg) if cfg.log.wandb and rt.is_main else None)
+    say_once(cfg, rt, par, writer, optimizer, muon)
+    resume_from = checkpoint.resolve(cfg)
+    if resume_from is not None:  # any saving layout: each rank reads the pieces its layout needs
+        checkpoint.load(cfg, resume_from, par, optimizer, scheduler, sampler)
+        writer.note(f"resumed from {resume_from}: continuing at step {sampler.step + 1}")
+    result, first_step, n_micro = TrainResult(parallel=par), sampler.step, micro_batches(cfg)
+    records = StepRecords(cfg, rt, par, writer, held_out, sampler)
+    prefetcher = BatchPrefetcher(sampler, par.dp_rank, cfg.parallel.dp, rt.device, t.steps)
+    watchdog = hangs.StackWatchdog(hangs.folder(cfg.log.dir), rt.rank, max(1.0, cfg.parallel.timeout_s / 2))
+    stop_requests = preemption.StopRequests(cfg.checkpoint.stop_grace_s, rt.rank, faults.another_rank_failed)
+    profiler = observe.StepProfiler(cfg, rt.rank, rt.device)
+    try:
+        with watchdog, stop_requests as stops, observe.MemorySnapshots(cfg, rt.rank):
+            injected = faults.Injection(cfg, rt.rank, stops)
+            for step in range(first_step, t.steps):
+                faults.progress.step = step + 1  # named by the error if a collective times out
+                watchdog.step_started()
+                profiler.start(step + 1)
+                start = time.perf_counter()
+                injected.step_began(step + 1)
+                batch = prefetcher.get(step)  # read in the background during the previous step
+                sampler.step = step + 1
+                measured = records.measures_comm(step, first_step)
+                with par.measure_comm() if measured else contextlib.nullcontext():
+                    loss_sum = par.forward_backward(batch, n_micro, lambda: autocast(cfg, rt.device))
+                    # The straggler report compares this, not the step time: every rank ends a step together
+                    # (the gradient sync waits for the slowest), but data-parallel replicas wait for nobody
+                    # before it, so a slow one stands out in its batch, forward and backward.
+                    work_time = time.perf_counter() - start
+                    par.finish_grads()
+                    grad_norm = injected.grad_norm(step + 1, par.clip_grad_norm(t.grad_clip))
+                    if step == t.steps - 1:
+                        result.state_bytes = par.state_bytes(optimizer)
+                    if math.isfinite(grad_norm):  # the same number on every rank: all skip together
+                        par.optimizer_step(optimizer)
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                profiler.stop(step + 1)
+                record = records.of_step(step, loss_sum, grad_norm, start, work_time, measured)
+                result.records.append(record)
+                writer.log(record)
+                records.non_finite.stop_if_too_many(step + 1)
+                saved = save_if_due(cfg, step + 1, par, optimizer, scheduler, sampler, rt)
+                injected.step_ended(step + 1)
+                stop_if_asked(cfg, step + 1, stops.agreed(rt.device), saved, par, optimizer, scheduler, sampler, rt)
+        checkpoint.wait_for_save()  # an asynchronous write finishes before the run returns
+        if cfg.checkpoint.export_hf and rt.is_main:
+            # One process, one tensor at a time, from the checkpoint just written (any layout wrote it).
+            export.checkpoint_to_hf(checkpoint_root_or_none(cfg, t.steps), cfg.checkpoint.export_hf,
+                                    tokenizer=export.data_tokenizer(cfg.data.tokenizer, cfg.data.source))
+            kind = "a PEFT adapter folder" if cfg.lora.rank else "a Hugging Face folder"
+            print(f"exported step {t.steps} as {kind}: {cfg.checkpoint.export_hf}", flush=True)
+    finally:  # every way out: the metrics flushed, the reader thread stopped
+        prefetcher.close()
+        writer.close()
+    return result
+
+
+def say_once(cfg: Config, rt: Runtime, par: Parallelized, writer: MetricsWriter, optimizer, muon) -> None:
+    """What a run says before its first step: the layout, what trains, where work goes, options
+    that do nothing here, a disk too small for the checkpoints."""
     writer.note(par.describe())
-    if cfg.lora.rank:  # what trains, said once
+    if cfg.lora.rank:  # what trains
         writer.note(describe_adapters(build_meta_model(cfg.model, cfg.lora), cfg.lora))
-    if muon_tensors(optimizer):  # where each rank's Newton–Schulz work goes, said once
+    if muon_tensors(optimizer):  # where each rank's Newton–Schulz work goes
         writer.note(muon.describe(muon_tensors(optimizer)))
-    if t.fp8:  # what runs in FP8 and what does not, said once (parallel/float8.py)
+    if cfg.train.fp8:  # what runs in FP8 and what does not (parallel/float8.py)
         from fivefold.models.registry import model_spec
         from fivefold.parallel import float8
 
         writer.note(float8.describe(cfg, model_spec(cfg.model), float8.float8_all_gather(cfg, par.dims)))
     if ignored_note(cfg):
-        writer.note(ignored_note(cfg))  # options this layout does nothing with, said once
+        writer.note(ignored_note(cfg))  # options this layout does nothing with
     room = space_warning(cfg, checkpoint.checkpoint_root(cfg)) if rt.is_main else None
     if room:  # before the first step, not at the first save hours later
         print(room, file=sys.stderr, flush=True)
-    compiling = par.compiling  # parallelize's choice (for train.compile = auto, with its reason)
-    if compiling.reason:
-        writer.note(compiling.reason)
-    compile_clock = CompileClock() if compiling.compile else None
-    resume_from = checkpoint.resolve(cfg)
-    if resume_from is not None:  # any saving layout: each rank reads the pieces its layout needs
-        checkpoint.load(cfg, resume_from, par, optimizer, scheduler, sampler)
-        writer.note(f"resumed from {resume_from}: continuing at step {sampler.step + 1}")
-    bad_steps = 0  # non-finite steps in a row
-    dead_experts = DeadExpertWatch(cfg.log.dead_expert_steps)
-    result = TrainResult(parallel=par)
-    if rt.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(rt.device)
+    if par.compiling.reason:  # parallelize's choice for train.compile = auto, with its reason
+        writer.note(par.compiling.reason)
 
-    first_step = sampler.step
-    prefetcher = BatchPrefetcher(sampler, par.dp_rank, cfg.parallel.dp, rt.device, t.steps)
-    watchdog = hangs.StackWatchdog(hangs.folder(cfg.log.dir), rt.rank, max(1.0, cfg.parallel.timeout_s / 2))
-    stop_requests = preemption.StopRequests(cfg.checkpoint.stop_grace_s, rt.rank, faults.another_rank_failed)
-    profiler = observe.StepProfiler(cfg, rt.rank, rt.device)
-    with watchdog, stop_requests as stops, observe.MemorySnapshots(cfg, rt.rank):
-        for step in range(first_step, t.steps):
-            faults.progress.step = step + 1  # named by the error if a collective times out
-            watchdog.step_started()
-            profiler.start(step + 1)
-            faults.maybe_crash(cfg, step + 1, rt.rank)
-            start = time.perf_counter()
-            batch = prefetcher.get(step)  # read in the background during the previous step
-            faults.maybe_slow(cfg, rt.rank)
-            sampler.step = step + 1
-            lr = t.lr * lr_multiplier(step, t)  # the base lr: groups may scale it (train.param_groups)
-            comm_every = cfg.log.comm_every or cfg.log.every
-            measured = step in (first_step, t.steps - 1) or (comm_every and (step + 1) % comm_every == 0)
-            with par.measure_comm() if measured else contextlib.nullcontext():
-                loss_sum = par.forward_backward(batch, n_micro, lambda: autocast(cfg, rt.device))
-                # The straggler report compares this, not the step time: every rank ends a step together
-                # (the gradient sync waits for the slowest), but data-parallel replicas wait for nobody
-                # before it, so a slow one stands out in its batch, forward and backward.
-                work_time = time.perf_counter() - start
-                par.finish_grads()
-                grad_norm = par.clip_grad_norm(t.grad_clip)
-                if faults.inject_nan(cfg, step + 1):
-                    grad_norm = float("nan")
-                # The global norm is the same number on every rank, so all ranks skip together.
-                finite = math.isfinite(grad_norm)
-                if step == t.steps - 1:
-                    result.state_bytes = par.state_bytes(optimizer)
-                if finite:
-                    par.optimizer_step(optimizer)
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            profiler.stop(step + 1)
 
-            loss_value = par.mean_over_dp(loss_sum.item())
-            step_time = time.perf_counter() - start
-            world_tokens_per_sec = tokens_per_step / step_time
-            record = {
-                "step": step + 1, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
-                "tokens_per_sec": world_tokens_per_sec,
-                "mfu": stats.mfu(t.seq_len, world_tokens_per_sec / rt.world_size, peak) if peak else None,
-                "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
-                **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
-                # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops; MTP: mtp_loss (not in `loss`)
-                **par.step_metrics,
-            }
-            if compile_clock is not None and compile_clock.spent():
-                record["compile_s"] = compile_clock.last
-                writer.note(f"step {step + 1}: torch.compile took {compile_clock.last:.1f} s of the step's "
-                            f"{step_time:.1f} s{' (a recompilation)' if compile_clock.times > 1 else ''}")
-            bubble = par.bubble_fraction(step_time)
-            if bubble is not None:
-                record["bubble_fraction"] = bubble  # measured: idle share of the pipeline ranks
-            if t.eval_every and (step + 1) % t.eval_every == 0 and held_out.num_windows:
-                record["val_loss"] = evaluate(par, held_out, cfg, rt.device)
-            if cfg.log.every and (step + 1) % cfg.log.every == 0:
-                # every rank's peak (a collective: same steps everywhere), for `fivefold report`
-                record["peak_mem_bytes_per_rank"] = observe.per_rank(float(record["peak_mem_bytes"] or 0), rt.device)
-                if len(sampler.names) > 1:  # a mixture: tokens each source has given the run so far
-                    record["source_tokens"] = sampler.source_tokens(step + 1)
-                slow = faults.straggler(work_time, rt.device)  # a collective: every rank, same steps
-                if slow is not None:
-                    record["straggler"] = slow
-                    writer.note(f"straggler: rank {slow['rank']} took {slow['work_s']:.3f}s for its batch, forward "
-                                f"and backward of step {step + 1}, the median rank {slow['median_work_s']:.3f}s")
-            if not finite:
-                record["skipped"] = True
-                bad_steps += 1
+class StepRecords:
+    """Each step's record for metrics.jsonl: what the step measured, and what is due at that step
+    (evaluation, the periodic per-rank figures, compile time, the measured bubble)."""
+
+    def __init__(self, cfg: Config, rt: Runtime, par: Parallelized, writer: MetricsWriter, held_out, sampler):
+        self.cfg, self.rt, self.par, self.writer = cfg, rt, par, writer
+        self.held_out, self.sampler = held_out, sampler
+        self.stats = model_stats(cfg.model)  # MFU: the planner's formula, active parameters for MoE
+        self.peak = peak_flops(rt.device, cfg.train.dtype, cfg.cluster.peak_tflops)
+        self.compile_clock = CompileClock() if par.compiling.compile else None
+        self.non_finite = NonFiniteSteps(cfg.train.max_bad_steps, rt.is_main)
+        self.dead_experts = DeadExpertWatch(cfg.log.dead_expert_steps)
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(rt.device)
+
+    def measures_comm(self, step: int, first_step: int) -> bool:
+        """Whether the ledger records this step's collectives: the first, the last, and every log.comm_every."""
+        every = self.cfg.log.comm_every or self.cfg.log.every
+        return step in (first_step, self.cfg.train.steps - 1) or bool(every and (step + 1) % every == 0)
+
+    def of_step(self, step: int, loss_sum, grad_norm: float, start: float, work_time: float, measured: bool) -> dict:
+        cfg, t, rt, par = self.cfg, self.cfg.train, self.rt, self.par
+        loss_value = par.mean_over_dp(loss_sum.item())
+        step_time = time.perf_counter() - start
+        world_tokens_per_sec = t.global_batch * t.seq_len / step_time
+        record = {
+            "step": step + 1, "loss": loss_value, "grad_norm": grad_norm,
+            "lr": t.lr * lr_multiplier(step, t),  # the base lr: groups may scale it (train.param_groups)
+            "tokens_per_sec": world_tokens_per_sec,
+            "mfu": self.stats.mfu(t.seq_len, world_tokens_per_sec / rt.world_size, self.peak) if self.peak else None,
+            "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
+            **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
+            # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops; MTP: mtp_loss (not in `loss`)
+            **par.step_metrics,
+        }
+        if self.compile_clock is not None and self.compile_clock.spent():
+            record["compile_s"] = self.compile_clock.last
+            self.writer.note(f"step {step + 1}: torch.compile took {self.compile_clock.last:.1f} s of the step's "
+                             f"{step_time:.1f} s{' (a recompilation)' if self.compile_clock.times > 1 else ''}")
+        bubble = par.bubble_fraction(step_time)
+        if bubble is not None:
+            record["bubble_fraction"] = bubble  # measured: idle share of the pipeline ranks
+        if t.eval_every and (step + 1) % t.eval_every == 0 and self.held_out.num_windows:
+            record["val_loss"] = evaluate(par, self.held_out, cfg, rt.device)
+        if cfg.log.every and (step + 1) % cfg.log.every == 0:
+            self._periodic(record, step, work_time)
+        if self.non_finite.count(record):
+            for line in self.dead_experts.update(record):  # a skipped step has no new router statistics
                 if rt.is_main:
-                    print(f"warning: step {step + 1}: non-finite gradient norm (loss {loss_value}); update "
-                          f"skipped ({bad_steps} in a row)", file=sys.stderr, flush=True)
-            else:
-                bad_steps = 0
-                for line in dead_experts.update(record):  # a skipped step has no new router statistics
-                    if rt.is_main:
-                        print(f"warning: {line}", file=sys.stderr, flush=True)
-            result.records.append(record)
-            writer.log(record)
-            if bad_steps >= t.max_bad_steps:
-                writer.close()
-                prefetcher.close()
-                raise ConfigError(f"training stopped at step {step + 1}: the loss or gradient norm was not "
-                                  f"finite for {bad_steps} steps in a row (train.max_bad_steps); lower train.lr, "
-                                  "check the data, or resume from an earlier checkpoint")
-            saved = bool(cfg.checkpoint.every) and (step + 1) % cfg.checkpoint.every == 0
-            saved = saved or (bool(cfg.checkpoint.export_hf) and step + 1 == t.steps)  # what the export reads
-            if saved:
-                checkpoint.save(cfg, step + 1, par, optimizer, scheduler, sampler, rt.is_main)
-            stops.inject(cfg.debug, step + 1, rt.rank)
-            signum = stops.agreed(rt.device)  # every rank, every step: the same answer everywhere
-            if signum and step + 1 < t.steps:
-                path = checkpoint_root_or_none(cfg, step + 1)
-                if path is not None and not saved:
-                    checkpoint.save(cfg, step + 1, par, optimizer, scheduler, sampler, rt.is_main)
-                checkpoint.wait_for_save()
-                prefetcher.close()
-                writer.close()
-                raise preemption.Stopped(preemption.stopped_sentence(signum, step + 1, path))
-    checkpoint.wait_for_save()  # an asynchronous write finishes before the run returns
-    prefetcher.close()
-    if cfg.checkpoint.export_hf and rt.is_main:
-        # One process, one tensor at a time, from the checkpoint just written (any layout wrote it).
-        export.checkpoint_to_hf(checkpoint_root_or_none(cfg, t.steps), cfg.checkpoint.export_hf,
-                                tokenizer=export.data_tokenizer(cfg.data.tokenizer, cfg.data.source))
-        kind = "a PEFT adapter folder" if cfg.lora.rank else "a Hugging Face folder"
-        print(f"exported step {t.steps} as {kind}: {cfg.checkpoint.export_hf}", flush=True)
-    writer.close()
-    return result
+                    print(f"warning: {line}", file=sys.stderr, flush=True)
+        return record
+
+    def _periodic(self, record: dict, step: int, work_time: float) -> None:
+        """Every log.every steps (collectives: every rank, the same steps)."""
+        rt = self.rt
+        # every rank's peak, for `fivefold report`
+        record["peak_mem_bytes_per_rank"] = observe.per_rank(float(record["peak_mem_bytes"] or 0), rt.device)
+        if len(self.sampler.names) > 1:  # a mixture: tokens each source has given the run so far
+            record["source_tokens"] = self.sampler.source_tokens(step + 1)
+        slow = faults.straggler(work_time, rt.device)
+        if slow is not None:
+            record["straggler"] = slow
+            self.writer.note(f"straggler: rank {slow['rank']} took {slow['work_s']:.3f}s for its batch, forward "
+                             f"and backward of step {step + 1}, the median rank {slow['median_work_s']:.3f}s")
+
+
+def save_if_due(cfg: Config, step: int, par, optimizer, scheduler, sampler, rt: Runtime) -> bool:
+    """Save at every checkpoint.every steps, and at the last step when the run exports (the
+    export reads that checkpoint); whether it saved."""
+    due = bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0
+    due = due or (bool(cfg.checkpoint.export_hf) and step == cfg.train.steps)
+    if due:
+        checkpoint.save(cfg, step, par, optimizer, scheduler, sampler, rt.is_main)
+    return due
+
+
+def stop_if_asked(cfg: Config, step: int, signum: int, saved: bool, par, optimizer, scheduler, sampler,
+                  rt: Runtime) -> None:
+    """A stop signal every rank agreed on (preemption): save the step unless it was just saved,
+    let the write finish, and end the run with one sentence (preemption.Stopped)."""
+    if not signum or step >= cfg.train.steps:
+        return
+    path = checkpoint_root_or_none(cfg, step)
+    if path is not None and not saved:
+        checkpoint.save(cfg, step, par, optimizer, scheduler, sampler, rt.is_main)
+    checkpoint.wait_for_save()
+    raise preemption.Stopped(preemption.stopped_sentence(signum, step, path))
 
 
 def wandb_run(cfg: Config):
