@@ -199,3 +199,13 @@ def test_a_peft_folder_fivefold_cannot_read_is_one_sentence(llama, tmp_path, cha
     (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ConfigError, match=sentence):
         fivefold.load_pretrained(folder)
+
+
+def test_fivefold_convert_merge_on_the_command_line(llama, tmp_path, capsys):
+    from fivefold import cli
+
+    assert cli.main(["convert", "--merge", llama["ckpt"], str(tmp_path / "merged")]) == 0
+    assert "merged into it" in capsys.readouterr().out and (tmp_path / "merged" / "config.json").is_file()
+    with pytest.raises(ConfigError, match=r"--merge merges the adapters of a LoRA checkpoint, and .* is not a fivefold "
+                                          r"checkpoint.*give the checkpoint of a run with lora.rank > 0"):
+        convert(llama["base"], tmp_path / "other", merge=True)
