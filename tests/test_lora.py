@@ -362,3 +362,12 @@ def test_a_pattern_that_selects_no_layer_is_one_sentence():
     validate(tiny_config({"lora": {**LORA, "targets": "re:attention\\.w[qv]"}}))
     assert [n for n, _ in _adapted_model({"lora": {**LORA, "targets": "re:attention\\.w[qv]"}})[1].named_parameters()
             if "lora_A" in n] == [f"layers.{i}.attention.{w}.lora_A.weight" for i in (0, 1) for w in ("wq", "wv")]
+
+
+def test_resume_with_changed_alpha_warns_once(runs, root, capsys):
+    from fivefold.train.trainer import train
+
+    settings = _checkpointed(_lora(), resume=f"{root}/step_00000002")
+    train(tiny_config({**settings, "lora": {**LORA, "alpha": 16.0}}))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: resuming")]
+    assert len(warnings) == 1 and "changed LoRA keys (lora.alpha 8.0 -> 16.0)" in warnings[0], warnings

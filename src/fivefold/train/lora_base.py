@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from pathlib import Path
 
 from fivefold.config import Config, ConfigError
@@ -51,6 +52,11 @@ def check_lora_resume(path: Path, state: dict, cfg: Config) -> None:
         raise ConfigError(f"checkpoint {path} holds LoRA adapters of lora.rank={saved['rank']} on "
                           f"lora.targets='{saved['targets']}' and no base weights; resume it with those two keys "
                           f"(this run has lora.rank={cfg.lora.rank}, lora.targets='{cfg.lora.targets}')")
+    changed = [f"lora.{key} {saved[key]} -> {getattr(cfg.lora, key)}" for key in ("alpha", "dropout")
+               if saved[key] != getattr(cfg.lora, key)]
+    if changed and _rank() == 0:  # as for changed training keys: the new values win
+        print(f"warning: resuming {path} with changed LoRA keys ({', '.join(changed)}); the new values apply from "
+              f"step {state['step'] + 1}", file=sys.stderr, flush=True)
     then, now = state.get("lora_base", {}), base_fingerprint(cfg)
     if then == now:
         return
@@ -65,3 +71,9 @@ def check_lora_resume(path: Path, state: dict, cfg: Config) -> None:
     else:
         this = f"model.init_from={now['init_from']} ({now['bytes']} bytes, headers {now['sha256'][:12]})"
     raise ConfigError(f"checkpoint {path} holds LoRA adapters trained on {base}, and this run's base is {this}; {fix}")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
