@@ -56,10 +56,12 @@ def _folder(path, kind: str) -> str:
 
 
 def _trained(tmp, kind: str, targets: str) -> dict:
-    folder = _folder(tmp / "base", kind)
-    run_layout({"model": {"init_from": folder}, "train": TRAIN, "lora": {**LORA, "targets": targets},
-                "checkpoint": {"dir": str(tmp / "ckpt"), "export_hf": str(tmp / "peft")}})
-    return {"base": folder, "ckpt": str(tmp / "ckpt"), "peft": str(tmp / "peft"), "tmp": tmp}
+    """A LoRA run from a transformers-made folder of `kind` (or from the seed: kind "seeded")."""
+    folder = None if kind == "seeded" else _folder(tmp / "base", kind)
+    run = run_layout({"model": {"init_from": folder} if folder else {}, "train": TRAIN,
+                      "lora": {**LORA, "targets": targets},
+                      "checkpoint": {"dir": str(tmp / "ckpt"), "export_hf": str(tmp / "peft")}})
+    return {"base": folder, "ckpt": str(tmp / "ckpt"), "peft": str(tmp / "peft"), "tmp": tmp, "run": run}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,11 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     return _trained(tmp_path_factory.mktemp("lora_mixtral"), "mixtral", "attention|experts")
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    return _trained(tmp_path_factory.mktemp("lora_seeded"), "seeded", "attention|mlp")
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +126,18 @@ def test_the_export_names_the_modules_as_peft_does(llama, mixtral):
     assert len(experts) == 2 * 2 * (4 + 4 * 3)  # 2 layers, A and B, 4 attention + 4 experts x 3 projections
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "seeded"])
+def test_the_adapted_model_is_the_run_s_final_model(kind, request):
+    """Every weight the run ended with, bit for bit: the base read again (from the folder, or drawn
+    again from the seed) and the adapters read from the checkpoint."""
+    run = request.getfixturevalue(kind)
+    loaded = fivefold.load_pretrained(run["ckpt"]).state_dict()
+    assert set(run["run"].weights) <= set(loaded)
+    for name, want in run["run"].weights.items():
+        assert torch.equal(loaded[name], want), name
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "seeded"])
 def test_merged_folder_equals_the_adapted_model(kind, request):
     run = request.getfixturevalue(kind)
     merged = run["tmp"] / "merged"
