@@ -74,13 +74,23 @@ def _checkpointed(layout: dict, **keys) -> dict:
     return {**layout, "checkpoint": keys}
 
 
+# torch.compile (aot_eager, as tests/test_composition.py: Dynamo and AOT autograd trace the blocks,
+# the adapters' hooks and the row-parallel projection's added adapter with them), against the eager
+# single process; it must really have compiled.
+COMPILED = {**LAYOUTS["tp2"], "train": {**LAYOUTS["tp2"]["train"], "compile": "true"}}
+
+
 def two_ranks(root: str, folder: str) -> dict:
+    from test_composition import use_aot_eager_compile
+
     saving = {SAVED: root, MOE_SAVED: f"{root}/moe"}
     out = {label: run_layout(_checkpointed(layout, dir=saving[label], every=2) if label in saving else layout)
            for label, layout in LAYOUTS.items()}
     for label in RESUMES:
         out[f"resumed {label}"] = run_layout(_checkpointed(LAYOUTS[label], resume=f"{root}/step_00000002"))
     out[f"resumed {MOE_RESUME}"] = run_layout(_checkpointed(LAYOUTS[MOE_RESUME], resume=f"{root}/moe/step_00000002"))
+    use_aot_eager_compile()
+    out["tp2 compiled"] = run_layout(COMPILED)
     out["folder dp2 zero2"] = run_layout(_checkpointed(_from_folder(folder, dp=2, zero=2), dir=f"{root}/hf", every=2))
     out["folder resumed tp2"] = run_layout(_checkpointed(_from_folder(folder, tp=2), resume=f"{root}/hf/step_00000002"))
     return out
@@ -119,6 +129,13 @@ def test_layout_matches_the_single_process_lora_run(runs, label):
     want = reference(LAYOUTS[label])
     for rank, results in enumerate(runs):
         assert_same_run(results[label], want, weight_atol=_atol(label), label=f"lora {label} rank {rank}")
+
+
+def test_compiled_layout_matches_the_eager_single_process(runs):
+    want = reference(LAYOUTS["tp2"])
+    for rank, results in enumerate(runs):
+        assert results["tp2 compiled"].compile_s > 0, f"rank {rank} did not compile"
+        assert_same_run(results["tp2 compiled"], want, weight_atol=TP_WEIGHT_ATOL, label=f"lora tp2 compiled rank {rank}")
 
 
 def _initial(settings: dict) -> dict[str, torch.Tensor]:
