@@ -249,6 +249,9 @@ class SimulatedPieces:
         assert torch.equal(local_counts, self.counts[self.chunks])
         return self.counts
 
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        return t  # capacity is what these tests check; the cp sum of the auxiliary loss is tests/test_context_parallel.py's
+
 
 def skewed_choices(batch=3, seq=24, k=2, n_experts=4, seed=0) -> torch.Tensor:
     """k distinct experts per token, expert 0 popular, so capacity drops many assignments."""
@@ -287,9 +290,9 @@ def test_moe_with_pieces_uses_the_whole_sequence_capacity():
     for rank in range(2):
         pieces = SimulatedPieces(indices.view(3, 16, 2), 4, cp=2, rank=rank)
         positions = torch.cat([torch.arange(c * 4, (c + 1) * 4) for c in pieces.chunks])
-        layer.sequence_pieces = pieces
+        layer.split_sequences(over_ranks=pieces)
         torch.testing.assert_close(layer(x[:, positions]), whole_out[:, positions], atol=1e-6, rtol=0)
-    layer.sequence_pieces = None
+    layer.sequence_split = None
     layer.take_stats()
     layer(x)
     assert layer.take_stats().dropped > 0

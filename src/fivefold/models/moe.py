@@ -9,13 +9,12 @@ without touching the math here:
   *sequence* (GShard's "group" = one sequence), on the rank that holds the sequence, before any
   dispatch. A sequence never spans data-parallel ranks, micro-batches or pipeline stages, so every
   such layout makes the same decisions as the single process, without extra communication.
-  Context parallelism does split sequences: two hooks, set by parallel/context/apply.py, make the
-  decisions those of the whole sequence (`sequence_sum` for the auxiliary loss, `sequence_pieces`
-  for capacity); unset (None), this file computes everything from the tokens it is given.
-  Tensor parallelism splits them once more: each tp rank routes only a contiguous slice of the
-  rank's sequence, and two more hooks of the same kind (`slice_sum`, `slice_pieces`, set by
-  parallel/tensor/apply.py) make the decisions those of the rank's sequence; `_nested` composes the
-  two levels, so tp alone, cp alone and both decide as the single process does.
+  Context parallelism does split sequences, and tensor parallelism splits a rank's sequence once
+  more (each tp rank routes a contiguous slice of it): a layout declares each split with
+  `split_sequences` (a models/moe_capacity.py SequenceSplit: which chunks of the whole these tokens
+  are, a gather of per-chunk counts, a sum over holders), and the decisions become those of the
+  whole sequence; `nested` composes the two levels, so tp alone, cp alone and both decide as the
+  single process does. Without a split this file computes everything from the tokens it is given.
 
 The auxiliary loss reaches the gradients without being added to the model's output: an autograd
 function passes the layer's output through unchanged and, in backward, gives the auxiliary loss the
@@ -40,7 +39,7 @@ from torch import nn
 
 from fivefold.config import ModelConfig, MoEConfig
 from fivefold.models.decoder import FeedForward
-from fivefold.models.moe_capacity import _chained, _nested, capacity_keep  # noqa: F401 - re-exported
+from fivefold.models.moe_capacity import SequenceSplit, capacity_keep, nested
 from fivefold.models.moe_layout import is_moe_layer
 from fivefold.models.swiglu import swiglu
 from fivefold.torch_internals import current_graph_task_id, grouped_mm, has_grouped_mm
@@ -249,22 +248,26 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_experts, dim, hidden, cfg.projection_bias, expert_activation(cfg))
         self.shared = FeedForward(dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_grad_scale = 1.0  # set by the training loop: 1/micro-batches per step
-        self.sequence_sum = None  # set when sequences are split over ranks (sequence_aux_loss)
-        self.sequence_pieces = None  # likewise, for capacity (capacity_keep)
-        self.slice_sum = None  # set when this module gets a slice of the rank's sequence
-        self.slice_pieces = None  # likewise, for capacity
+        self.sequence_split: SequenceSplit | None = None  # the whole sequence split over ranks
+        self.slice_split: SequenceSplit | None = None  # the rank's sequence cut into slices
         self.stats: list[RouterStats] = []  # one per forward since the last take_stats
+
+    def split_sequences(self, over_ranks: SequenceSplit | None = None, into_slices: SequenceSplit | None = None):
+        """What a layout tells the layer once, as it builds: its sequences are split over ranks
+        (context parallelism) and/or the rank's sequence into slices (tensor parallelism)."""
+        self.sequence_split = over_ranks or self.sequence_split
+        self.slice_split = into_slices or self.slice_split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         k, n_experts = self.cfg.top_k, self.cfg.n_experts
         tokens = x.reshape(-1, dim)
         scores, indices, weights = self.router(tokens)
-        pieces = _nested(self.sequence_pieces, self.slice_pieces)
-        whole_seq = seq if pieces is None else seq * pieces.n_chunks // len(pieces.chunks)
-        keep = capacity_keep(indices.view(batch, seq, k), n_experts, self.capacity(whole_seq), pieces).reshape(-1)
+        split = nested(self.sequence_split, self.slice_split)
+        whole_seq = seq if split is None else seq * split.n_chunks // len(split.chunks)
+        keep = capacity_keep(indices.view(batch, seq, k), n_experts, self.capacity(whole_seq), split).reshape(-1)
         aux = (sequence_aux_loss(scores.view(batch, seq, -1), indices.view(batch, seq, k), self.cfg,
-                                 _chained(self.slice_sum, self.sequence_sum))
+                                 None if split is None else split.total)
                if self.cfg.balance == "aux_loss" else None)
         if counts_for_stats():
             self._record(indices, keep, aux)

@@ -1,8 +1,10 @@
 """MoE capacity: which (token, expert) assignments each expert takes per sequence, also when the
 sequence is split over ranks (context parallelism's pieces, tensor parallelism's slices, or both):
-the decisions models/moe.py's MoE takes, with the hooks it is given (see its docstring)."""
+the decisions models/moe.py's MoE takes, with the split it is given (see its docstring)."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +16,9 @@ def capacity_keep(indices: torch.Tensor, n_experts: int, capacity: int | None, p
     Per sequence, each expert takes at most `capacity` assignments, first-choice assignments
     before second choices (GShard), earlier positions first within a choice.
 
-    `pieces`, when given, says the `seq` positions are pieces of longer sequences whose other pieces
-    other ranks hold, and the decision is the one taken on the whole sequences (see `_pieces_keep`
-    for what it must provide); None: these are whole sequences."""
+    `pieces` (a SequenceSplit), when given, says the `seq` positions are pieces of longer sequences
+    whose other pieces other ranks hold, and the decision is the one taken on the whole sequences;
+    None: these are whole sequences."""
     if capacity is None:
         return torch.ones_like(indices, dtype=torch.bool)
     if pieces is not None:
@@ -29,24 +31,33 @@ def capacity_keep(indices: torch.Tensor, n_experts: int, capacity: int | None, p
     return (rank < capacity).view(batch, k, seq).transpose(1, 2)
 
 
-def _chained(inner, outer):
-    """Sum a statistic over the slices of the rank's sequence, then over the ranks' pieces."""
-    if inner is None or outer is None:
-        return inner or outer
-    return lambda t: outer(inner(t))
+class SequenceSplit(Protocol):
+    """How a layout splits sequences, as the MoE decisions need it (parallel/context/apply.py
+    SequencePieces: over cp ranks; parallel/tensor/apply.py SequenceSlices: a rank's sequence into
+    tp slices). This module's positions are the chunks `chunks` (indices, laid end to end) of a
+    whole made of `n_chunks` equal chunks."""
+
+    chunks: list[int]
+    n_chunks: int
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """(len(chunks), ...) per-chunk counts from every holder -> (n_chunks, ...) by chunk (no autograd)."""
+
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-sequence statistic summed over every holder of a chunk (differentiable)."""
 
 
-def _nested(outer, inner):
-    """The pieces of whole sequences that this module's tokens are, when they are `inner`'s
-    slices of the rank's sequence, itself `outer`'s pieces of the whole sequence (either None:
-    that level does not split)."""
+def nested(outer: SequenceSplit | None, inner: SequenceSplit | None) -> SequenceSplit | None:
+    """The split of whole sequences that this module's tokens are, when they are `inner`'s slices
+    of the rank's sequence, itself `outer`'s pieces of the whole sequence (either None: that level
+    does not split)."""
     if inner is None or outer is None:
         return inner or outer
     return NestedPieces(outer, inner)
 
 
 class NestedPieces:
-    """Pieces of pieces, in `_pieces_keep`'s terms. The rank's sequence is `outer`'s a chunks;
+    """Pieces of pieces, a SequenceSplit. The rank's sequence is `outer`'s a chunks;
     `inner` cuts it into b equal slices, this module holding one. Cutting each outer chunk into b
     sub-chunks makes both levels whole numbers of sub-chunks: the rank's sequence is a·b of them,
     this slice a, and the whole sequence outer.n_chunks·b. (The sub-chunks must hold whole
@@ -59,6 +70,10 @@ class NestedPieces:
         local = range(t * a, (t + 1) * a)  # sub-chunk indices in the rank's sequence
         self.chunks = [outer.chunks[j // b] * b + j % b for j in local]
         self.n_chunks = outer.n_chunks * b
+
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        """Over the slices of the rank's sequence, then over the ranks' pieces."""
+        return self.outer.total(self.inner.total(t))
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """(a, ...) for this slice's sub-chunks -> (outer.n_chunks·b, ...) by global sub-chunk."""

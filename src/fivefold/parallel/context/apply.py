@@ -14,7 +14,6 @@ with the replaced core's sliding window and the attention sinks (parallel/contex
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -119,9 +118,9 @@ class SequenceSplit:
 
 
 class SequencePieces:
-    """What MoE capacity needs of a cp-split sequence (models/moe.py `_pieces_keep`): the global index
-    of each of this rank's chunks, how many chunks make the sequence, and a gather of per-chunk
-    counts from every cp rank."""
+    """A cp-split sequence as MoE decisions need it (models/moe_capacity.py SequenceSplit): the
+    global index of each of this rank's chunks, how many chunks make the sequence, a gather of
+    per-chunk counts and a differentiable sum from every cp rank."""
 
     def __init__(self, group, cp_rank: int, cp: int):
         self.group, self.cp = group, cp
@@ -138,6 +137,13 @@ class SequencePieces:
         out = torch.empty((self.n_chunks, *local.shape[1:]), dtype=local.dtype, device=local.device)
         out[gathered_chunk_order(self.cp)] = torch.cat(parts)
         return out
+
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        """Over the cp ranks; backward sums the gradient over them too: with gradients then averaged
+        over dp·cp, each token's router gradient comes out as in one process."""
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(t, group=self.group)
 
 
 class ContextParallelAttention(nn.Module):
@@ -189,8 +195,6 @@ def apply_context_parallel(model: nn.Module, attention_core: str, cp_mesh, metho
     """Swap every block's attention core for the context-parallel one over `cp_mesh`, and let MoE
     layers decide per whole sequence: the auxiliary loss adds its routing statistics over the cp
     ranks, capacity ranks each assignment among its expert's in the whole sequence."""
-    from torch.distributed.nn.functional import all_reduce
-
     from fivefold.models.moe import moe_layers
 
     group = cp_mesh.get_group()
@@ -200,7 +204,4 @@ def apply_context_parallel(model: nn.Module, attention_core: str, cp_mesh, metho
         window = getattr(block.get_submodule(attention_core), "window", 0)
         block.set_submodule(attention_core, ContextParallelAttention(group, method, window))
     for moe in moe_layers(model):
-        # Differentiable: backward sums the gradient over the cp ranks too; with gradients then
-        # averaged over dp·cp, each token's router gradient comes out as in one process.
-        moe.sequence_sum = functools.partial(all_reduce, group=group)
-        moe.sequence_pieces = pieces
+        moe.split_sequences(over_ranks=pieces)

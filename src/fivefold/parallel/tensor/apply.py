@@ -17,7 +17,6 @@ gathering them. Heads split evenly, so validate() requires tp to divide n_heads 
 
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch import nn
@@ -123,18 +122,11 @@ def _replicate_moe(moe: nn.Module, group: TensorParallelGroup) -> None:
                 setattr(moe.shared, name, PartialGradLinear(layer, group))
                 carry_adapter(layer, getattr(moe.shared, name), TP.REPLICATED_PARTIAL, group)
     moe.experts = PartialGradExperts(moe.experts, group)
-    # Forward: the statistic of the rank's whole sequence; backward: identity, since every tp rank
-    # holds the same auxiliary loss and the partial gradients it sends to each slice add up over tp.
-    moe.slice_sum = functools.partial(_sum_over_slices, group=group)
-    moe.slice_pieces = SequenceSlices(group)
+    moe.split_sequences(into_slices=SequenceSlices(group))
     setattr(moe, SLICE_GROUP, group.mesh.get_group())
     if not group.sequence_parallel:
         moe.register_forward_pre_hook(lambda module, args: (_KeepSlice.apply(args[0], group), *args[1:]))
         moe.register_forward_hook(lambda module, args, out: _GatherSlices.apply(out, group))
-
-
-def _sum_over_slices(t: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
-    return _SumValues.apply(t, group)
 
 
 class PartialGradExperts(Experts):
@@ -163,8 +155,8 @@ def _partial_local(weight):
 
 
 class SequenceSlices:
-    """What MoE capacity needs of a tp-split sequence (models/moe_capacity.py `_pieces_keep`): this tp rank
-    holds slice `rank` of `size` equal, consecutive slices of the rank's sequence."""
+    """A tp-split sequence as MoE decisions need it (models/moe_capacity.py SequenceSplit): this tp
+    rank holds slice `rank` of `size` equal, consecutive slices of the rank's sequence."""
 
     def __init__(self, group: TensorParallelGroup):
         self.group = group
@@ -175,6 +167,11 @@ class SequenceSlices:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """(1, ...) of this slice -> (tp, ...) by slice. Counts: no autograd."""
         return self.group.all_gather(local)
+
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        """The statistic of the rank's whole sequence; backward: identity, since every tp rank holds
+        the same auxiliary loss and the partial gradients it sends to each slice add up over tp."""
+        return _SumValues.apply(t, self.group)
 
 
 def _slice_of(x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
