@@ -227,3 +227,35 @@ def test_fivefold_convert_merge_on_the_command_line(llama, tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"--merge merges the adapters of a LoRA checkpoint, and .* is not a fivefold "
                                           r"checkpoint.*give the checkpoint of a run with lora.rank > 0"):
         convert(llama["base"], tmp_path / "other", merge=True)
+
+
+DEEPSEEK_V3 = {"preset": "tiny-deepseek-v3", "n_layers": 2, "n_kv_heads": 4}
+
+
+def test_what_peft_would_load_wrongly_is_refused_before_the_run():
+    """DeepSeek-V3: its balancing bias moves during the run (a PEFT folder holds adapters only), and
+    its dense and shared MLPs' gate_proj/up_proj/down_proj share the routed experts' names, which
+    PEFT on transformers 5 moves onto the fused experts (measured: logits 0.77 off)."""
+    from fivefold.models.hf_peft import peft_names
+    from fivefold.train.supported import check_supported
+
+    cfg = load_config(None, {"model": DEEPSEEK_V3, "lora": {**LORA, "targets": "attention|experts"},
+                             "checkpoint": {"dir": "unused", "export_hf": "unused-export"}})
+    with pytest.raises(ConfigError, match=r"model.moe.balance='bias' moves the routers' expert_bias during the run.*"
+                                          r"unset checkpoint.export_hf and write the merged model after the run"):
+        check_supported(cfg)
+    with pytest.raises(ConfigError, match=r"adapts model.layers.0.mlp.down_proj, named like the routed experts' "
+                                          r"down_proj.*leave mlp out of lora.targets"):
+        peft_names(cfg.model, load_config(None, {"lora": {**LORA, "targets": "attention|mlp"}}).lora)
+
+
+def test_deepseek_v3_merges_with_its_moved_bias_and_refuses_the_peft_folder(tmp_path):
+    run_layout({"model": DEEPSEEK_V3, "train": TRAIN, "lora": {**LORA, "targets": "attention|experts"},
+                "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": TRAIN["steps"]}})
+    with pytest.raises(ConfigError, match=r"holds layers.1.feed_forward.router.expert_bias "
+                                          r"\(model.layers.1.mlp.gate.e_score_correction_bias in Hugging Face's files\) "
+                                          r"moved by the run.*fivefold convert --merge"):
+        convert(tmp_path / "ckpt", tmp_path / "peft")
+    convert(tmp_path / "ckpt", tmp_path / "merged", merge=True)
+    diff = (_hf_logits(_base(tmp_path / "merged")) - _ours(tmp_path / "ckpt")).abs().max().item()
+    assert diff <= TOL, f"deepseek_v3: the merged folder differs from the adapted model by {diff}"

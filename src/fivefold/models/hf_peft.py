@@ -53,6 +53,11 @@ def adapted_weight(adapter_name: str) -> str:
     raise ValueError(f"{adapter_name} is not an adapter tensor")
 
 
+def hf_name_of(cfg, name: str) -> str:
+    """The Hugging Face name of one of our tensors (for sentences)."""
+    return model_spec(cfg).hf.maybe_hf_name(name) or name
+
+
 def _modules(hf_adapter, weight: str, n_experts: int, targets: str) -> list[str]:
     """The Hugging Face modules (one, or one per expert) holding our `weight`."""
     part = hf_adapter.part_of(weight)
@@ -84,7 +89,39 @@ def peft_names(cfg, lora) -> PeftNames:
         stacked = hf_adapter.is_stacked(weight)
         tensors[name] = [(f"{PREFIX}{module}.{which}.weight", e if stacked else None) for e, module in enumerate(modules)]
         adapted.update(modules)
+    _refuse_expert_namesakes(cfg, lora, hf_adapter, adapted)
     return PeftNames(tensors, _target_modules(cfg, adapted))
+
+
+def _refuse_expert_namesakes(cfg, lora, hf_adapter, adapted: set[str]) -> None:
+    """PEFT 0.21 on transformers 5 turns every adapter whose module is named like a per-expert
+    projection (DeepSeek-V3's and Qwen3-MoE's gate_proj, up_proj, down_proj) into one on the fused
+    experts, so an adapter beside a dense MLP or a shared expert of that name would be misplaced
+    (measured on DeepSeek-V3: logits 0.77 off)."""
+    from fivefold.models import build_meta_model
+
+    expert_leaves = {hf.removesuffix(".weight").rpartition(".")[2]
+                     for name, _ in build_meta_model(cfg).named_parameters() if hf_adapter.is_stacked(name)
+                     for hf in hf_adapter.hf_sources(name, 1)}
+    for module in sorted(adapted):
+        if module.rpartition(".")[2] in expert_leaves and ".experts." not in module:
+            raise ConfigError(f"lora.targets='{lora.targets}' adapts {module}, named like the routed experts' "
+                              f"{module.rpartition('.')[2]}, and PEFT (on transformers 5) moves every adapter of that "
+                              "name onto the fused experts, so it would load this one wrongly; leave mlp out of "
+                              "lora.targets (e.g. 'attention|experts') to export a PEFT adapter, or write the merged "
+                              "model instead (fivefold convert --merge CKPT DST)")
+
+
+def check_peft_export(cfg, lora) -> None:
+    """What a LoRA run with checkpoint.export_hf would fail to export, said at launch: an adapter
+    PEFT cannot load, or a router bias the run moves (a PEFT folder holds adapters only)."""
+    peft_names(cfg, lora)
+    m = cfg.moe
+    if m.n_experts and m.balance == "bias" and m.bias_update_rate > 0:
+        raise ConfigError(f"checkpoint.export_hf writes a PEFT adapter folder, which holds adapters only, and "
+                          f"model.moe.balance='bias' moves the routers' expert_bias during the run (bias_update_rate="
+                          f"{m.bias_update_rate:g}); unset checkpoint.export_hf and write the merged model after the "
+                          "run (fivefold convert --merge CKPT DST), which carries the moved bias")
 
 
 def _target_modules(cfg, adapted: set[str]) -> list[str]:

@@ -99,6 +99,7 @@ def write_peft_folder(path: Path, state: dict, cfg: ModelConfig, dst) -> Path:
     lora = lora_of(state)
     names = peft_names(cfg, lora)  # refuses what PEFT cannot load, before anything is written
     tensors = _adapters(path, cfg, lora)
+    _refuse_moved_buffers(path, state, cfg, tensors)
     out = {}
     for ours, targets in names.tensors.items():
         for peft_name, expert in targets:
@@ -115,6 +116,21 @@ def write_peft_folder(path: Path, state: dict, cfg: ModelConfig, dst) -> Path:
     save_file(out, str(dst / ADAPTER_WEIGHTS), metadata={"format": "pt"})  # transformers wants "format"
     (dst / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return dst
+
+
+def _refuse_moved_buffers(path: Path, state: dict, cfg: ModelConfig, tensors: dict) -> None:
+    """A persistent buffer the run moved (the MoE balancing bias) is not in a PEFT folder: refused."""
+    from fivefold.models.hf_peft import hf_name_of
+
+    read_base = None
+    for name, tensor in tensors.items():
+        if is_adapter(name):
+            continue
+        read_base = read_base or base_reader(path, state, cfg)
+        if not torch.equal(read_base(name, tuple(tensor.shape)).float(), tensor.float()):
+            raise ConfigError(f"checkpoint {path} holds {name} ({hf_name_of(cfg, name)} in Hugging Face's files) moved "
+                              "by the run, and a PEFT adapter folder holds adapters only; write the merged model "
+                              f"instead (fivefold convert --merge {path} DST), which carries it")
 
 
 def write_merged_folder(path: Path, state: dict, cfg: ModelConfig, dst, max_shard_bytes: int) -> Path:

@@ -25,9 +25,9 @@ def check_supported(cfg: Config) -> None:
 
         hf_config_from(m)  # what transformers cannot express is refused now, not after the run
         if cfg.lora.rank:  # a PEFT adapter folder: an adapter PEFT cannot load, likewise
-            from fivefold.models.hf_peft import peft_names
+            from fivefold.models.hf_peft import check_peft_export
 
-            peft_names(m, cfg.lora)
+            check_peft_export(m, cfg.lora)
     check_backend(p.backend, torch.cuda.is_available())
     if cfg.train.fp8:
         check_float8(cfg)
