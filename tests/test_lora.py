@@ -356,6 +356,20 @@ def test_resume_refuses_another_base(runs, root, folder, tmp_path):
         train(tiny_config({**_checkpointed(_lora(), resume=f"{root}/step_00000002"), "lora": {**LORA, "rank": 8}}))
 
 
+def test_resume_refuses_other_weights_in_the_same_folder(tmp_path):
+    """The same folder, the same architecture (identical safetensors headers and sizes), other
+    weights (another seed wrote them): the base's sampled bytes differ, and the resume is refused."""
+    from fivefold.train.trainer import train
+
+    folder = _hf_folder(tmp_path / "base", 0)
+    saving = _checkpointed({**_from_folder(folder), "parallel": {}}, dir=str(tmp_path / "ckpt"), every=2)
+    train(tiny_config({**saving, "train": {**saving["train"], "steps": 2}}))
+    _hf_folder(tmp_path / "base", 1)  # rewritten in place
+    with pytest.raises(ConfigError, match=r"headers and samples .*point model.init_from at that base"):
+        train(tiny_config(_checkpointed({**_from_folder(folder), "parallel": {}},
+                                        resume=str(tmp_path / "ckpt" / "step_00000002"))))
+
+
 def test_dropout_draws_in_training_only():
     """lora.dropout masks the adapter's input while gradients are on (training, and its recomputation),
     never in evaluation (no gradients): the same weights give the undropped output there."""

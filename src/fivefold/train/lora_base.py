@@ -5,7 +5,9 @@ frozen base (train/state_boxes.py): a resumed run reads the base again from wher
 did, the Hugging Face folder of `model.init_from` or the seeded initialisation of `train.seed`.
 So state.json records that source, and a resume refuses, in one sentence, a base that differs:
 another folder's files (their sizes and a SHA-256 of their safetensors headers, which name every
-tensor with its dtype, shape and place, without reading the weights), or another seed.
+tensor with its dtype, shape and place, and of SAMPLES evenly spaced 64 KiB samples of their
+weights: another checkpoint of the same architecture differs there, while a 140 GB base is not
+read whole at every resume), or another seed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 from pathlib import Path
 
 from fivefold.config import Config, ConfigError
+
+SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # per safetensors file
 
 
 def lora_state(cfg: Config) -> dict:
@@ -35,6 +39,10 @@ def base_fingerprint(cfg: Config) -> dict:
             header = f.read(8)
             length = struct.unpack("<Q", header)[0] if len(header) == 8 else 0
             digest.update(file.name.encode() + header + f.read(length))
+            start, size = f.tell(), file.stat().st_size
+            for i in range(SAMPLES):  # the weights, sampled
+                f.seek(start + (size - start) * i // SAMPLES)
+                digest.update(f.read(SAMPLE_BYTES))
     return {"init_from": str(cfg.model.init_from), "bytes": sum(f.stat().st_size for f in files),
             "sha256": digest.hexdigest()}
 
@@ -64,12 +72,12 @@ def check_lora_resume(path: Path, state: dict, cfg: Config) -> None:
         base = f"the seeded initialisation of train.seed={then['seed']}"
         fix = f"resume with train.seed = {then['seed']} and no model.init_from"
     else:
-        base = f"model.init_from={then['init_from']} ({then['bytes']} bytes of safetensors, headers {then['sha256'][:12]})"
+        base = f"model.init_from={then['init_from']} ({then['bytes']} bytes of safetensors, headers and samples {then['sha256'][:12]})"
         fix = "point model.init_from at that base"
     if "seed" in now:
         this = f"the seeded initialisation of train.seed={now['seed']}"
     else:
-        this = f"model.init_from={now['init_from']} ({now['bytes']} bytes, headers {now['sha256'][:12]})"
+        this = f"model.init_from={now['init_from']} ({now['bytes']} bytes, headers and samples {now['sha256'][:12]})"
     raise ConfigError(f"checkpoint {path} holds LoRA adapters trained on {base}, and this run's base is {this}; {fix}")
 
 
