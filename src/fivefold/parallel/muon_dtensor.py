@@ -10,6 +10,9 @@ Per Muon tensor and step:
    the owner's result bit for bit (one non-zero addend per element);
 4. every rank keeps its own shard of it (a Replicate → the tensor's placements redistribution: a
    local slice, no communication; it also knows FSDP2's strided shards over tp's).
+A window of as many tensors as the largest mesh has ranks goes through each pass together (all
+gathered, then each owner's orthogonalised, then all summed), so the owners work at once instead
+of each tensor's collective waiting for its owner. The window's whole updates are held at once.
 Owners: largest tensor first to the least-loaded rank of its mesh by Newton–Schulz flops, the same
 on every rank (`shares`: each mesh rank's flops). Plain tensors among them (experts under expert
 parallelism: whole experts) are orthogonalised where they are.
@@ -50,6 +53,8 @@ class DTensorMatrices(WholeTensors):
             for rank, flops in zip(ranks, load):
                 by_rank[rank] = by_rank.get(rank, 0) + flops
         self.shares = [by_rank[r] for r in sorted(by_rank)] if by_rank else [0]
+        # A window as large as the largest mesh: its tensors' owners differ (largest first to the least loaded).
+        self.window = max([len(ranks) for ranks in loads] or [1])
 
     def describe(self, tensors: list[torch.Tensor]) -> str:
         if not self.owner:
@@ -74,21 +79,32 @@ class DTensorMatrices(WholeTensors):
             return whole_matrices(tuple(tensor.shape))
         return self.local_matrices(tensor)
 
-    def orthogonalize(self, tensor: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, DTensor):
-            return super().orthogonalize(tensor, update)
-        owned = dist.get_rank() == self.owner[id(tensor)]
-        return owner_to_shards(tensor, update.to_local(), owned).reshape(-1)
+    def orthogonalize(self, tensors: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A window's tensors in three passes, so that their owners work at the same time: every
+        tensor gathered, each owner's orthogonalised, every result summed back into shards."""
+        wholes = [gather_whole(t, u.to_local()) if isinstance(t, DTensor) else None for t, u in zip(tensors, updates)]
+        mine = [owned_result(whole, dist.get_rank() == self.owner[id(t)]) if whole is not None
+                else self.orthogonalize_here(t, u) for t, u, whole in zip(tensors, updates, wholes)]
+        return [shard_of_sum(t, m).reshape(-1) if isinstance(t, DTensor) else m for t, m in zip(tensors, mine)]
 
 
-def owner_to_shards(param: DTensor, shard: torch.Tensor, owned: bool) -> torch.Tensor:
-    """This rank's shard of the orthogonalised whole of `param`'s update, whose shard here is
-    `shard` (laid out as `param`): the shards are gathered over the mesh, the owner orthogonalises
-    each matrix of the whole, every other rank contributes zeros, and a sum over the mesh gives each
-    rank its shard, bit for bit the owner's (one non-zero addend per element)."""
-    mesh, placements = param.device_mesh, param.placements
-    whole = DTensor.from_local(shard, mesh, placements, shape=param.shape, stride=param.stride()).full_tensor()
-    mine = WholeTensors().orthogonalize(whole, whole).view(whole.shape) if owned else torch.zeros_like(whole)
-    for dim in range(mesh.ndim):  # one all-reduce per mesh dimension (DTensor would warn it does the same)
+def gather_whole(param: DTensor, shard: torch.Tensor) -> torch.Tensor:
+    """The whole update of `param` from each rank's `shard` of it (laid out as `param`): an
+    all-gather over every mesh dimension that shards it."""
+    return DTensor.from_local(shard, param.device_mesh, param.placements, shape=param.shape,
+                              stride=param.stride()).full_tensor()
+
+
+def owned_result(whole: torch.Tensor, owned: bool) -> torch.Tensor:
+    """The owner's orthogonalised whole (each matrix of it on its own); zeros on every other rank."""
+    return WholeTensors().orthogonalize_here(whole, whole).view(whole.shape) if owned else torch.zeros_like(whole)
+
+
+def shard_of_sum(param: DTensor, mine: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the sum over the mesh of every rank's `mine`: bit for bit the owner's
+    result (one non-zero addend per element), one all-reduce per mesh dimension (DTensor would warn
+    it does the same), then the local slice of the placements (no communication)."""
+    mesh = param.device_mesh
+    for dim in range(mesh.ndim):
         dist.all_reduce(mine, group=mesh.get_group(dim))
-    return DTensor.from_local(mine, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, placements).to_local()
+    return DTensor.from_local(mine, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, param.placements).to_local()

@@ -31,6 +31,8 @@ def newton_schulz(update: torch.Tensor) -> torch.Tensor:
 class WholeTensors:
     """Every tensor holds whole matrices on this rank: orthogonalise each here."""
 
+    window = 1  # nothing to wait for: one tensor at a time
+
     def describe(self, tensors: list[torch.Tensor]) -> str:
         flops = sum(ns_flops(shape) for t in tensors for _, _, shape in whole_matrices(tuple(t.shape)))
         return shares_note("each rank orthogonalises the whole matrices it holds (nothing to gather)", [flops])
@@ -38,9 +40,13 @@ class WholeTensors:
     def matrices(self, tensor: torch.Tensor):
         return whole_matrices(tuple(tensor.shape))
 
-    def orthogonalize(self, tensor: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    def orthogonalize(self, tensors: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self.orthogonalize_here(t, u) for t, u in zip(tensors, updates)]
+
+    def orthogonalize_here(self, tensor: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """Each matrix of `tensor` (whose update here is `update`), flat."""
         flat, out = update.reshape(-1), torch.empty(update.numel(), dtype=update.dtype, device=update.device)
-        for start, end, shape in self.matrices(tensor):
+        for start, end, shape in whole_matrices(tuple(tensor.shape)):
             out[start:end] = newton_schulz(flat[start:end].view(shape)).reshape(-1)
         return out
 

@@ -17,11 +17,13 @@ and FSDP2 shards, train/muon.py for the loop over tensors):
   all-reduce of the whole over each mesh dimension (the owner's result, zeros elsewhere) hands every
   rank its shard.
 
-Time. The optimizer visits its tensors one by one, and every collective waits for the owner it
-depends on, so buckets and DTensors run in sequence: Muon's time is, over them in order, the
-gathers + the slowest owner's Newton–Schulz in that bucket (one tensor's for a DTensor) + the
-return. Spreading owners therefore shortens the step only inside a bucket that holds several
-matrices; it always spreads the work (`shares`, the run log's GFLOP per rank). The step is exposed:
+Time. The optimizer takes its tensors in windows (as many buckets as the data-parallel group has
+ranks; as many DTensors as the largest mesh has ranks): a window's tensors are all gathered, then
+each owner orthogonalises its own, then all are returned. So Muon's time is the gathers and
+returns of every tensor plus, per window, the slowest owner's Newton–Schulz in it: spread owners
+work at the same time even where a bucket holds one matrix (a large model's). Under FSDP2 with tp
+the tp-split tensors and the others are windowed apart (they share windows in the trainer: a
+slight over-estimate). The step is exposed:
 it runs after the last backward. Newton–Schulz is 5 steps of three bf16 products of the small
 side's Gram (A = X Xᵀ, B = bA + cA², X ← aX + BX), each a GEMM at plan/gemm.py's rate.
 Muon's elementwise passes (momentum, Nesterov, decay, the update) stay in estimate.py's optimizer
@@ -120,23 +122,43 @@ def _muon_step(stats, layout, order, hw, eff, prank) -> MuonStep:
 
 
 def _tp_dtensor(step: MuonStep, t: BlockMatrix, tp_link: comm.Link, hw: Hardware) -> None:
-    """A tensor-parallel DTensor: gathered whole over tp, orthogonalised on its owner, all-reduced."""
+    """A tensor-parallel DTensor's collectives: gathered whole over tp, all-reduced back (its
+    Newton–Schulz is its owner's, priced by window: windowed_seconds)."""
     whole = UPDATE_BYTES * t.numel
     step.gather_s += comm.gather_time(whole, tp_link, hw) + comm.all_reduce_time(whole, tp_link, hw)
     step.bytes["tp"] += 3 * (tp_link.size - 1) / tp_link.size * whole
-    step.newton_schulz_s += t.count * ns_seconds(t.shape, hw)
+
+
+def windowed_seconds(tensors, ranks: int, hw: Hardware) -> float:
+    """Newton–Schulz seconds of DTensors orthogonalised each on one of `ranks` owners, in windows of
+    `ranks` consecutive tensors (parameter order): per window the slowest owner's sum. Owners by
+    parallel/muon_dtensor.py's rule: largest first to the least-loaded rank, the lowest on a tie."""
+    flops = [t.count * ns_flops(t.shape) for t in tensors]
+    loads, owner = [0.0] * ranks, {}
+    for i in sorted(range(len(tensors)), key=lambda i: (-flops[i], i)):
+        owner[i] = loads.index(min(loads))
+        loads[owner[i]] += flops[i]
+    total = 0.0
+    for first in range(0, len(tensors), ranks):
+        here = [0.0] * ranks
+        for i in range(first, min(first + ranks, len(tensors))):
+            here[owner[i]] += tensors[i].count * ns_seconds(tensors[i].shape, hw)
+        total += max(here)
+    return total
 
 
 def _unsharded(step, name, tensors, tp_link, tp, hw) -> None:
     """No data-parallel sharding: whole tensors here, tp-split ones as tensor-parallel DTensors."""
-    everywhere, owned = 0.0, []
+    everywhere, owned, split = 0.0, [], []
     for t in tensors:
         if t.tp_split and tp > 1:
             _tp_dtensor(step, t, tp_link, hw)
             owned.append(t.count * ns_flops(t.shape))
+            split.append(t)
         else:  # every tp rank holds it whole and orthogonalises it
             step.newton_schulz_s += t.count * ns_seconds(t.shape, hw)
             everywhere += t.count * ns_flops(t.shape)
+    step.newton_schulz_s += windowed_seconds(split, tp, hw) if split else 0.0
     step.shares[name] = _owners([everywhere] * tp, owned)
     if tp == 1 or not owned:
         step.where.append(f"{name}: whole on every rank, nothing gathered")
@@ -160,6 +182,7 @@ def _bucketed(step, name, tensors, link, tp_link, tp, hw, eff, pooled: tuple) ->
             slots[d * tp + j] = plain_loads[d]
     for t in split:
         _tp_dtensor(step, t, tp_link, hw)
+    step.newton_schulz_s += windowed_seconds(split, n * tp, hw) if split else 0.0
     step.shares[name] = _owners(slots, [t.count * ns_flops(t.shape) for t in split])
     step.where.append(f"{name}: {len(numels)} ZeRO buckets, each fp32 all-gathered and reduce-scattered over "
                       f"{n} data-parallel ranks, each matrix orthogonalised on one of them"
@@ -169,9 +192,9 @@ def _bucketed(step, name, tensors, link, tp_link, tp, hw, eff, pooled: tuple) ->
 
 @lru_cache(maxsize=1024)
 def _bucket_plan(tensors: tuple[BlockMatrix, ...], n: int, tp: int, hw: Hardware, pooled: tuple = ()):
-    """(each bucket's local elements, the sum over buckets of the slowest owner's Newton–Schulz
-    seconds, flops per data-parallel rank, the tp-split tensors) of parallel/data/buckets.py's
-    make_buckets and muon_step.py's owners."""
+    """(each bucket's local elements, the sum over windows of n buckets of the slowest owner's
+    Newton–Schulz seconds, flops per data-parallel rank, the tp-split tensors) of
+    parallel/data/buckets.py's make_buckets and muon_step.py's owners and windows."""
     buckets, current, size = [], [], 0
     for t in reversed(tensors):  # buckets fill in reverse parameter order, as backward completes them
         current.append(t)
@@ -185,8 +208,8 @@ def _bucket_plan(tensors: tuple[BlockMatrix, ...], n: int, tp: int, hw: Hardware
     # per group index over all its buckets, the experts' after the dense ones: `pooled`.
     heap = [(pooled[r] if r < len(pooled) else 0.0, r) for r in range(n)]
     flops, seconds, split = [0.0] * n, 0.0, []
-    for bucket in buckets:
-        here = [0.0] * n
+    here = [0.0] * n  # each rank's seconds in the current window of n buckets (muon_step.py)
+    for index, bucket in enumerate(buckets):
         whole = [t for t in bucket if not (t.tp_split and tp > 1)]
         split += [t for t in bucket if t.tp_split and tp > 1]
         for shape in sorted((t.shape for t in whole for _ in range(t.count)), key=lambda s: -ns_flops(s)):
@@ -194,7 +217,9 @@ def _bucket_plan(tensors: tuple[BlockMatrix, ...], n: int, tp: int, hw: Hardware
             heapq.heappush(heap, (load + ns_flops(shape), owner))
             flops[owner] += ns_flops(shape)
             here[owner] += ns_seconds(shape, hw)
-        seconds += max(here)
+        if (index + 1) % n == 0 or index == len(buckets) - 1:
+            seconds += max(here)
+            here = [0.0] * n
     numels = tuple(sum(t.numel // (tp if t.tp_split else 1) for t in b) for b in buckets)
     loads = dict(enumerate(pooled))
     loads.update({r: load for load, r in heap})
@@ -216,8 +241,11 @@ def _fsdp(step, name, tensors, link, tp_link, replica, tp, hw, eff) -> None:
         step.gather_s += (comm.gather_time(whole, link, hw, eff) + comm.all_reduce_time(whole, link, hw, eff)
                           + comm.all_reduce_time(whole, replica, hw, eff))
         step.bytes["dp"] += 3 * (n - 1) / n * whole + 2 * (replica.size - 1) / replica.size * whole
-        step.newton_schulz_s += t.count * ns_seconds(t.shape, hw)
         meshes.append((t.count * ns_flops(t.shape), over_tp))
+    over_tp = [t for t in tensors if t.tp_split and tp > 1]  # on the (dp, tp) mesh
+    each_tp_rank = [t for t in tensors if not (t.tp_split and tp > 1)]  # on each tp rank's dp mesh
+    step.newton_schulz_s += ((windowed_seconds(over_tp, n * tp, hw) if over_tp else 0.0)
+                             + (windowed_seconds(each_tp_rank, n, hw) if each_tp_rank else 0.0))
     slots = [0.0] * (n * tp)  # (data-parallel rank, tp rank)
     for work, over_tp in sorted(meshes, key=lambda m: -m[0]):
         if over_tp:

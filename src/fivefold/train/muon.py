@@ -14,9 +14,9 @@ to torch.optim.Muon within 1e-6 (tests/test_muon.py).
 Where the whole matrices are is the layout's business (`layout`: parallel/data/muon_step.py for
 ZeRO's chunks, parallel/muon_dtensor.py for tensor-parallel and FSDP2 shards):
 `matrices(tensor)` lists (start, end, shape) of the matrices inside this rank's flat piece of the
-tensor, with their whole shapes, and `orthogonalize(tensor, update)` returns this rank's flat piece
-of the orthogonalised update (a collective where the matrices are sharded). Without a layout each
-tensor holds whole matrices (parallel/muon_matrices.py).
+tensor, with their whole shapes, and `orthogonalize(tensors, updates)` returns, for a window of
+`window` tensors, this rank's flat piece of each orthogonalised update (collectives where the
+matrices are sharded). Without a layout each tensor holds whole matrices (parallel/muon_matrices.py).
 """
 
 from __future__ import annotations
@@ -42,21 +42,31 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
             # Every rank visits the same tensors in the same order: a sharded layout's
-            # orthogonalisation is a collective.
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                grad, state = param.grad, self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                orthogonal = self.layout.orthogonalize(param, update)
-                param.mul_(1 - lr * decay)
-                flat = local_tensor(param).view(-1)  # a DTensor's shard: `orthogonal` is this rank's piece
-                for start, end, shape in self.layout.matrices(param):
-                    flat[start:end].add_(orthogonal[start:end], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+            # orthogonalisation is a collective. The layout takes a window of tensors at once
+            # (`window`: as many as a group has ranks), so that their owners orthogonalise at the
+            # same time instead of each waiting for the one before.
+            params = [param for param in group["params"] if param.grad is not None]
+            size = self.layout.window
+            for first in range(0, len(params), size):
+                window = params[first:first + size]
+                updates = [self._update(param, group) for param in window]
+                for param, orthogonal in zip(window, self.layout.orthogonalize(window, updates)):
+                    self._apply(param, orthogonal, group)
         return None
+
+    def _update(self, param, group) -> torch.Tensor:
+        """The momentum update of one tensor: elementwise, so a chunk or shard gets what the whole would."""
+        grad, state = param.grad, self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - group["momentum"])
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def _apply(self, param, orthogonal: torch.Tensor, group) -> None:
+        lr = group["lr"]
+        param.mul_(1 - lr * group["weight_decay"])
+        flat = local_tensor(param).view(-1)  # a DTensor's shard: `orthogonal` is this rank's piece
+        for start, end, shape in self.layout.matrices(param):
+            flat[start:end].add_(orthogonal[start:end], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))

@@ -11,6 +11,10 @@ A bucket holds Muon's matrices only (buckets never mix optimizer settings). Per 
    of the result (zeros in every other data-parallel rank's buffer);
 4. the buffers are reduce-scattered: each rank receives its chunk of the orthogonalised update.
    Every element has exactly one non-zero addend, so the sums are exact.
+A window of as many buckets as the group has ranks goes through each step together (all gathered,
+then each owner's matrices orthogonalised, then all reduced), so the owners work at once instead of
+each bucket's reduce-scatter waiting for its owner (a bucket holds one matrix of a large model).
+The window's whole buckets are held at once.
 Owners are chosen greedily, largest matrix first, to the least loaded rank by Newton–Schulz
 flops, the same on every rank (`shares` says each rank's part). Zero 0 and dp = 1 under bf16
 hold whole buckets: no data-parallel collective. An expert's stacked tensor is one matrix per
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
 
-from fivefold.parallel.muon_dtensor import DTensorMatrices, owner_to_shards
+from fivefold.parallel.muon_dtensor import DTensorMatrices, gather_whole, owned_result, shard_of_sum
 from fivefold.parallel.muon_matrices import newton_schulz, ns_flops, shares_note, whole_matrices
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -57,7 +61,9 @@ class ChunkMatrices:
             self.sharded[id(chunk)] = self._sharded_owners(bucket, sharded, sharded_load)
             bucket.muon_matrices = whole + [(offset + s, offset + e, shape) for param, offset, _ in sharded
                                             for s, e, shape in DTensorMatrices.local_matrices(param)]
-        plain = [plain_load.get(r, 0) for r in range(max([b.group_size for b in buckets] or [1]))]
+        # A window of as many chunks as the group has ranks: consecutive buckets' owners differ.
+        self.window = max([b.group_size for b in buckets] or [1])
+        plain = [plain_load.get(r, 0) for r in range(self.window)]
         self.shares = ([flops + plain[g] for (g, _), flops in sorted(sharded_load.items())] if sharded_load
                        else plain)
 
@@ -86,21 +92,37 @@ class ChunkMatrices:
         return [(max(s, lo) - lo, min(e, lo + chunk.numel()) - lo, shape)
                 for s, e, shape in bucket.muon_matrices if s < lo + chunk.numel() and e > lo]
 
-    def orthogonalize(self, chunk: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        bucket = self.buckets[id(chunk)]
-        if bucket.group is None:
-            whole = update
-        else:
-            whole = torch.empty(bucket.padded, dtype=update.dtype, device=update.device)
-            _all_gather(whole, update.contiguous(), group=bucket.group)
-        out = torch.zeros(bucket.padded, dtype=update.dtype, device=update.device)
-        for start, end, shape in self.owned[id(chunk)]:
-            out[start:end] = newton_schulz(whole[start:end].view(shape)).reshape(-1)
-        for param, offset, size, owned in self.sharded[id(chunk)]:
-            shard = whole[offset:offset + size].view(param.to_local().shape)
-            out[offset:offset + size] = owner_to_shards(param, shard, owned).reshape(-1)
-        if bucket.group is None:
-            return out
-        mine = torch.empty_like(update)
-        _reduce_scatter(mine, out, group=bucket.group)
+    def orthogonalize(self, chunks: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A window's chunks in three passes, so that their owners work at the same time: every
+        bucket (and tensor-parallel matrix) gathered, each owner's orthogonalised, every result
+        summed back (over tp, then reduce-scattered over the bucket's group)."""
+        buckets = [self.buckets[id(c)] for c in chunks]
+        wholes = [self._gathered(b, u) for b, u in zip(buckets, updates)]
+        sharded = [[(param, offset, size, owned, gather_whole(param, whole[offset:offset + size].view(param.to_local().shape)))
+                    for param, offset, size, owned in self.sharded[id(c)]] for c, whole in zip(chunks, wholes)]
+        outs, tp_results = [], []
+        for chunk, bucket, whole, tensors in zip(chunks, buckets, wholes, sharded):
+            out = torch.zeros(bucket.padded, dtype=whole.dtype, device=whole.device)
+            for start, end, shape in self.owned[id(chunk)]:
+                out[start:end] = newton_schulz(whole[start:end].view(shape)).reshape(-1)
+            outs.append(out)
+            tp_results.append([(param, offset, size, owned_result(full, owned)) for param, offset, size, owned, full in tensors])
+        mine = []
+        for bucket, update, out, results in zip(buckets, updates, outs, tp_results):
+            for param, offset, size, result in results:
+                out[offset:offset + size] = shard_of_sum(param, result).reshape(-1)
+            if bucket.group is None:
+                mine.append(out)
+                continue
+            piece = torch.empty_like(update)
+            _reduce_scatter(piece, out, group=bucket.group)
+            mine.append(piece)
         return mine
+
+    @staticmethod
+    def _gathered(bucket, update: torch.Tensor) -> torch.Tensor:
+        if bucket.group is None:
+            return update
+        whole = torch.empty(bucket.padded, dtype=update.dtype, device=update.device)
+        _all_gather(whole, update.contiguous(), group=bucket.group)
+        return whole
