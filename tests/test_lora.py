@@ -1,7 +1,7 @@
 """LoRA ([lora], models/lora.py): adapters beside the targeted linear layers, the base frozen.
 
-One 2-rank spawn trains every layout (dp at zero 0/1/2/3, tp2, pp2 with 1f1b and zbv, cp2, an MoE
-with adapters on its experts at dp2·ep2 and at tp2, DeepSeek-V3's latent attention at tp2) and each
+One 2-rank spawn trains every layout (dp at zero 0/1/2/3, tp2, pp2 with 1f1b, zbv,
+interleaved_1f1b and dualpipev, cp2, an MoE with adapters on its experts at dp2·ep2 and at tp2, DeepSeek-V3's latent attention at tp2) and each
 must equal the single-process LoRA run under the harness rule (tests/layouts.py); in every layout
 the base weights end bit for bit as they started, and only the adapters hold gradients and
 optimizer state. The same spawn saves and resumes LoRA checkpoints (the base is not in them: it
@@ -29,15 +29,18 @@ def _lora(model=None, targets="attention|mlp", dtype="fp32", recompute="none", *
             "lora": {**LORA, "targets": targets}}
 
 
-def _v_schedule() -> dict:
-    """Four stages in a V on two ranks (zbv: the backward split into input and weight passes)."""
-    layout = _lora({"n_layers": 4}, pp=2, pp_schedule="zbv", pp_virtual=2)
+def _v_schedule(schedule: str = "zbv") -> dict:
+    """Four stages on two ranks (zbv and dualpipev: in a V, the backward split into input and
+    weight passes; interleaved_1f1b: round robin)."""
+    layout = _lora({"n_layers": 4}, pp=2, pp_schedule=schedule, pp_virtual=2)
     return {**layout, "train": {**TRAIN, "micro_batch": 1}}
 
 
 LAYOUTS = {"dp2 zero0": _lora(dp=2, zero=0), "dp2 zero1": _lora(dp=2, zero=1),
            "dp2 zero2": _lora(dp=2, zero=2), "dp2 zero3": _lora(dp=2, zero=3),
-           "tp2": _lora(tp=2), "pp2 1f1b": _lora(pp=2), "pp2 zbv": _v_schedule(), "cp2": _lora(cp=2),
+           "tp2": _lora(tp=2), "pp2 1f1b": _lora(pp=2), "pp2 zbv": _v_schedule(),
+           "pp2 interleaved": _v_schedule("interleaved_1f1b"), "pp2 dualpipev": _v_schedule("dualpipev"),
+           "cp2": _lora(cp=2),
            "moe dp2 ep2 zero1": _lora(MOE, "attention|mlp|experts", dp=2, ep=2, zero=1),
            "moe tp2": _lora(MOE, "attention|mlp|experts", tp=2),
            # Latent attention's replicated down-projections (Partial gradients for A and B), an MoE
