@@ -3,7 +3,9 @@
 When ranks fail, the test failure names the rank that failed first and why: a rank whose process
 died without a word (killed by a signal, e.g. out of memory) before any other, else the earliest
 traceback; the others' first lines follow (their "connection closed by peer" is usually the echo of
-the first failure, not its cause). A rank that does not finish within the timeout fails the test
+the first failure, not its cause). A rank that dies without a word reports what it wrote to stderr
+last and, from faulthandler, the Python stack of each of its threads when it died (a C++ abort, such
+as gloo's on mismatched collectives, otherwise leaves nothing to go on). A rank that does not finish within the timeout fails the test
 (all ranks are killed) instead of hanging the suite. `fn` must be defined at module level (it is
 sent to the ranks by reference).
 """
@@ -11,11 +13,14 @@ sent to the ranks by reference).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import io
 import os
 import queue as queue_module
 import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
 
@@ -28,7 +33,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, timeout_s, fn, args, kwargs, results):
+def _rank_main(rank, world_size, port, timeout_s, fn, args, kwargs, results, stderr_path):
+    # stderr into a file the parent reads when this rank dies silently; faulthandler writes the stacks there.
+    stderr_file = open(stderr_path, "w", buffering=1)  # noqa: SIM115 - lives as long as the process
+    os.dup2(stderr_file.fileno(), 2)
+    faulthandler.enable(file=stderr_file, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -59,8 +68,10 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 600, collective_
     port = _free_port()
     # Collectives time out a little before the harness does, so a stuck rank reports itself.
     collective_timeout = collective_timeout_s or max(30.0, timeout_s - 30)
+    stderr_dir = tempfile.TemporaryDirectory(prefix="ranks-stderr-")
+    stderr_paths = [os.path.join(stderr_dir.name, f"rank{r}.txt") for r in range(world_size)]
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world_size, port, collective_timeout, fn, args, kwargs, results))
+                         args=(r, world_size, port, collective_timeout, fn, args, kwargs, results, stderr_paths[r]))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -95,13 +106,15 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 600, collective_
 
             values[rank] = torch.load(io.BytesIO(value), weights_only=False)
         if errors or deaths:
-            raise AssertionError(_failure_report(errors, deaths, procs))
+            raise AssertionError(_failure_report(errors, deaths, procs, stderr_paths))
     finally:
         failed = len(values) < world_size  # then the ranks still running wait for peers that are gone
         for p in procs:
             p.join(timeout=1 if failed else 10)
             if p.is_alive():
                 p.kill()
+        _pass_on_stderr(stderr_paths)
+        stderr_dir.cleanup()
     return [values[r] for r in range(world_size)]
 
 
@@ -112,11 +125,12 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _failure_report(errors: dict, deaths: dict, procs) -> str:
+def _failure_report(errors: dict, deaths: dict, procs, stderr_paths: list[str]) -> str:
     """The first failure in full, then one line for each other failed rank."""
     if deaths:  # a silent death comes before the errors it causes in its peers
         first = min(deaths, key=deaths.get)
-        head = f"rank {first} died first, {_exit_reason(procs[first].exitcode)}, without a traceback"
+        head = (f"rank {first} died first, {_exit_reason(procs[first].exitcode)}, without a traceback; "
+                f"the end of its stderr:\n{_tail(stderr_paths[first])}")
     else:
         first = min(errors, key=lambda r: errors[r][0])
         head = f"rank {first} failed first:\n{errors[first][1]}"
@@ -128,3 +142,19 @@ def _failure_report(errors: dict, deaths: dict, procs) -> str:
 def _last_line(tb: str) -> str:
     lines = [line for line in tb.strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else "(no message)"
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:]) or "(empty)"
+    except OSError:
+        return "(not written)"
+
+
+def _pass_on_stderr(stderr_paths: list[str]) -> None:
+    """What the ranks wrote to stderr, onto this process's, where pytest captures it as before."""
+    for path in stderr_paths:
+        text = _tail(path, lines=200)
+        if text not in ("(empty)", "(not written)"):
+            sys.stderr.write(text)
