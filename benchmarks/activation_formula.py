@@ -42,7 +42,7 @@ SEQ = 512
 
 
 def _config(shape: str, tp: int, layers: int, dtype: str):
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
 
     return load_config(None, {
         "model": {**SHAPES[shape], "n_layers": layers, "vocab_size": 512},

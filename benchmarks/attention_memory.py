@@ -47,7 +47,7 @@ VARIANTS = ("plain", "blockwise", "quadratic", "blockwise+documents", "quadratic
 def _model(variant: str):
     import torch
 
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.models import build_model
 
     overrides = {"preset": "tiny-gpt-oss"}

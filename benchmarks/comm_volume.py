@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.models import build_model
 
 COMMON = ["--train.steps", "3", "--train.seq_len", "128", "--train.global_batch", "8", "--log.every", "100",

@@ -63,7 +63,7 @@ def max_rss_bytes() -> int:
 def rank_main(cp, seq, method, cap_bytes, steps) -> dict:
     import torch.distributed as dist
 
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.models import build_model
     from fivefold.parallel.context.apply import ContextParallelAttention, SequenceSplit
     from fivefold.parallel.loss import lm_loss

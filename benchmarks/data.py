@@ -148,7 +148,7 @@ def repeat_prepared(src: Path, dst: Path, times: int) -> None:
 
 
 def _rank(folder: str) -> dict:
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.train.trainer import train
 
     from fivefold.train.data import load_training_data

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from spawn import run_on_ranks
 
 STEPS = 10

@@ -19,7 +19,7 @@ import argparse
 import json
 import statistics
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.train.trainer import train
 
 SHAPE = {"model": {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384},

@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from fivefold.config import MoEConfig, load_config
+from fivefold.config import MoEConfig
+from fivefold.configure import load_config
 from fivefold.models import moe as moe_module
 from spawn import run_on_ranks
 

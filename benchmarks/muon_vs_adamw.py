@@ -72,7 +72,7 @@ def sweep(model: str) -> dict[str, dict]:
 
 def config(spec: dict, steps: int, keys: dict, seed: int = 0, eval_every: int | None = None, parallel=None):
     """spec: MODELS[name] (passed whole: spawned workers do not see a --base-shape the parent applied)."""
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
 
     train_keys = {**spec["train"], "steps": steps, "seed": seed, **keys}
     if "warmup" not in spec["train"]:

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.models import build_model
 from fivefold.train.data import GlobalBatchSampler, load_splits
 from fivefold.train.trainer import train

@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     args = parser.parse_args()
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
 
     print("| pp | schedule | rank | in flight per chunk | measured MiB | predicted MiB | predicted/measured |")
     print("|---|---|---|---|---|---|---|")

@@ -37,7 +37,7 @@ GROUPS = {  # operator-name fragments -> group (first match wins)
 
 
 def run(tp: int, steps: int, warmup: int, top: int) -> dict:
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.parallel.parallelized import Parallelized
     from fivefold.train import trainer
 

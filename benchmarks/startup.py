@@ -35,7 +35,7 @@ def machine_memory_bytes() -> int:
 def planned_resident_bytes(config: str) -> int:
     """Parameters + ZeRO-1/2 master chunks of rank 0, from the planner (no build)."""
     sys.path.insert(0, str(ROOT / "src"))
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.tools.rank_build import planned_state_bytes
 
     return planned_state_bytes(load_config(config), 0)["planned_resident_bytes"]

@@ -60,7 +60,7 @@ def micro_batch(layout: dict) -> int:
 
 
 def fivefold_config(layout: dict, settings: str, steps: int):
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
 
     parallel = {"dp": layout.get("dp", 1), "tp": layout.get("tp", 1), "pp": layout.get("pp", 1)}
     train = {"seq_len": SEQ, "global_batch": BATCH, "micro_batch": micro_batch(layout), "steps": steps,

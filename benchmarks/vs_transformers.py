@@ -43,7 +43,8 @@ import fivefold.train.trainer as trainer_module
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: cpu_roofline
 
-from fivefold.config import Config, load_config
+from fivefold.config import Config
+from fivefold.configure import load_config
 from fivefold.train.data import GlobalBatchSampler, load_splits
 from fivefold.train.trainer import train
 

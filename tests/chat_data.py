@@ -113,7 +113,7 @@ def make_chat_demo_inputs(root: Path) -> Path:
     tokenizer and conversations (fivefold.tools.chat_demo), a base Hugging Face folder of the
     chat-demo-base model (random weights: standing in for its pretraining) and `prepare --chat` of the
     conversations. Those configs name these paths relative to the folder they run in."""
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.models import build_model
     from fivefold.models.hf import save_hf
     from fivefold.tools import chat_demo

@@ -4,12 +4,13 @@ and the comparison every parallel layout must pass (docs/design.md principle 1).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 
 # fp32, 6 steps, a model small enough for many layouts per minute on 2 cores.
 BASE = {
@@ -229,6 +230,22 @@ def reference(model_and_train: dict | None = None):
 
     kept = {s: v for s, v in (model_and_train or {}).items() if s != "parallel"}
     return _reference(json.dumps(kept, sort_keys=True))
+
+
+def continued(reference_run, steps_done: int):
+    """The uninterrupted run from step `steps_done` + 1 on (the tolerance rule's noise kept): what a
+    run resumed from that step's checkpoint must equal."""
+    return dataclasses.replace(reference_run, losses=reference_run.losses[steps_done:],
+                               grad_norms=reference_run.grad_norms[steps_done:])
+
+
+def assert_resumed_bit_for_bit(full, resumed, steps_done: int, label: str = "") -> None:
+    """A run resumed in its own layout: the resumed steps and final weights equal the uninterrupted
+    run's exactly (every piece of state came back)."""
+    assert resumed.losses == full.losses[steps_done:], f"{label}: losses"
+    assert resumed.grad_norms == full.grad_norms[steps_done:], f"{label}: grad norms"
+    for name, tensor in full.weights.items():
+        assert torch.equal(resumed.weights[name], tensor), f"{label}: {name}"
 
 
 def assert_same_run(got, want, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL, label=""):

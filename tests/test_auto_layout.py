@@ -11,13 +11,14 @@ import sys
 import pytest
 
 from fivefold.cli import commands as cli
-from fivefold.config import ConfigError, load_config
+from fivefold.config import ConfigError
+from fivefold.configure import load_config
 from fivefold.plan import auto
 from fivefold.plan.hardware import DEFAULT_RUNTIME, runtime_for
 from fivefold.plan.layout import config_with_layout, layout_from_config
 from fivefold.plan.search import search, without_ignored
 from fivefold.plan.workload import workload_from_config
-from fivefold.config.validate import validate
+from fivefold.configure import validate
 from fivefold.train.supported import check_supported
 
 SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.ffn_dim", "128", "--train.seq_len", "32",

@@ -268,7 +268,8 @@ def test_each_kind_of_failure_is_one_sentence_and_the_launcher_names_the_cause(t
     bug; of several ranks' failures the launcher reports the first that is not an echo."""
     import torch
 
-    from fivefold.config import ConfigError, load_config
+    from fivefold.config import ConfigError
+    from fivefold.configure import load_config
     from fivefold.train import faults
     from fivefold.train.launch import first_failure
 

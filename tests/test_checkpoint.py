@@ -372,7 +372,7 @@ def test_sharded_checkpoint_exports_to_hf(four, root, tmp_path):
 def test_hf_import_train_export_round_trip(saved, tmp_path):
     from layouts import BASE
 
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.tools.convert import convert
     from fivefold.train.trainer import train
 
@@ -411,7 +411,7 @@ def test_async_save_writes_the_same_checkpoint(tmp_path):
 def test_a_checkpoint_of_the_code_before_the_redesign_resumes_the_same_run(tmp_path):
     """tests/data/checkpoint-0.1.0: step 2 saved by the code before the package was reorganised;
     today's code resumes it and steps 3 and 4 equal that code's uninterrupted run."""
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.train.trainer import train
 
     data = Path(__file__).parent / "data" / "checkpoint-0.1.0"

@@ -32,7 +32,8 @@ from ranks import run_on_ranks
 
 from fivefold.config import ConfigError
 from fivefold.runtime import resolve_backend
-from fivefold.config.validate import check_backend, validate
+from fivefold.config.validate import check_backend
+from fivefold.configure import validate
 
 PRETEND = torch.device("cpu", 0)  # stands for cuda:0: distinct from host memory's plain `cpu`
 

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.plan.compile_choice import COLD_COMPILE_S, block_kinds, choose_compile, planned_compile
 
 

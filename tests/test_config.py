@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import ConfigError, load_config, parse_overrides, to_toml
+from fivefold.config import ConfigError, parse_overrides, to_toml
+from fivefold.configure import load_config
 from fivefold.config.presets import PRESETS
 from fivefold.config.shipped import CONFIG_DIR
-from fivefold.config.validate import validate
+from fivefold.configure import validate
 
 MISSING = object()  # marks the case whose config path does not exist
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.config.shipped import CONFIG_DIR
-from fivefold.config.validate import validate
+from fivefold.configure import validate
 from fivefold.train.supported import check_supported
 
 CONFIGS = sorted(CONFIG_DIR.glob("*.toml"))

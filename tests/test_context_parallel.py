@@ -12,7 +12,7 @@ from chat_data import make_qwen3_folder, prepare_folder
 from test_document_mask import METHODS, assert_document_ops_exact, document_op_errors
 
 from fivefold.config import ConfigError
-from fivefold.config.validate import validate
+from fivefold.configure import validate
 
 EVAL = {"eval_every": 3, "eval_batches": 2}
 CP2_LAYOUTS = [

@@ -17,7 +17,8 @@ import torch
 from fivefold.config import ConfigError, DataConfig
 from fivefold.train.data import (ByteTokenizer, GlobalBatchSampler, HFTokenizer, Split, documents,
                                  load_splits, load_training_data, rank_slice)
-from fivefold.train.mixture import BLOCK, parse_mix
+from fivefold.config.validate_data import parse_mix
+from fivefold.train.mixture import BLOCK
 from fivefold.train.token_shards import TokenShards, held_out_ranges, prepared_splits
 
 SAMPLE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
@@ -413,8 +414,8 @@ def test_mix_settings_are_checked(prepared, tmp_path):
             parse_mix(bad)
     with pytest.raises(ConfigError, match="names .* twice"):
         parse_mix(f"{a}:1,{a}:2")
-    from fivefold.config import load_config
-    from fivefold.config.validate import validate
+    from fivefold.configure import load_config
+    from fivefold.configure import validate
 
     with pytest.raises(ConfigError, match="data.mix and data.source=.* are both set"):
         validate(load_config(None, {"data": {"mix": f"{a}:1,{b}:1", "source": a}}))
@@ -476,9 +477,9 @@ def test_training_resumes_mid_epoch_bit_for_bit(prepared, tmp_path):
 def test_mix_of_different_tokenizers_is_refused(prepared, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.train.prepare import prepare
-    from fivefold.config.validate import validate
+    from fivefold.configure import validate
 
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

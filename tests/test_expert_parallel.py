@@ -8,7 +8,7 @@ from layouts import assert_same_run, reference, run_layout, tiny_config
 from ranks import run_on_ranks
 
 from fivefold.config import ConfigError
-from fivefold.config.validate import validate
+from fivefold.configure import validate
 from fivefold.train.supported import check_supported
 
 # 4 experts of width 64 (aligned for torch._grouped_mm), top-2, in both layers of the tiny model.

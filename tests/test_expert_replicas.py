@@ -11,7 +11,7 @@ from ranks import run_on_ranks
 
 from fivefold.config import ConfigError
 from fivefold.parallel.expert.replicas import greedy_plan, rank_loads
-from fivefold.config.validate import validate
+from fivefold.configure import validate
 
 # 4 experts (aligned for torch._grouped_mm), top-2, no balancing: at seed 11 the router drifts to
 # favour a few experts (per-ep-rank max/mean near 1.9 by step 4 at ep 2). A seed of its own keeps

@@ -288,7 +288,7 @@ def test_converted_modules_are_the_dense_projections(moe):
 
 
 def test_start_up_line_says_what_stays_in_bf16():
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.models.registry import model_spec
     from fivefold.parallel.float8 import describe, float8_config
 
@@ -308,7 +308,7 @@ def test_planner_credits_fp8_only_to_fp8_runs(capsys):
     import dataclasses
     import json
 
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.plan.cli import run_plan
     from fivefold.plan.estimate import estimate
     from fivefold.plan.hardware import FIVEFOLD_EAGER, hardware_for
@@ -341,7 +341,8 @@ def test_planner_credits_fp8_only_to_fp8_runs(capsys):
 def test_cuda_refusals_are_one_sentence(monkeypatch):
     """On CUDA (simulated here): a GPU without FP8 matmuls, and sizes torch._scaled_mm's CUDA kernel
     does not take (multiples of 16), are refused before any process group exists."""
-    from fivefold.config import ConfigError, load_config
+    from fivefold.config import ConfigError
+    from fivefold.configure import load_config
     from fivefold.train.supported import check_float8
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

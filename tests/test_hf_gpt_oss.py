@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 import fivefold  # noqa: E402
 from fivefold.cli import main as cli  # noqa: E402
-from fivefold.config import ConfigError, load_config  # noqa: E402
+from fivefold.config import ConfigError  # noqa: E402
+from fivefold.configure import load_config  # noqa: E402
 from fivefold.models import build_model  # noqa: E402
 from fivefold.models.hf import config_from_hf, hf_config_from, load_pretrained, model_from_tensors, save_hf  # noqa: E402
 

@@ -22,23 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "src" / "fivefold"
 
 # Bottom to top: a module may import modules of its own layer and of the layers below.
-LAYERS = {"config": 0, "mesh": 1, "runtime": 1, "torch_internals": 1, "models": 2, "plan": 3, "parallel": 4,
+LAYERS = {"config": 0, "mesh": 1, "runtime": 1, "torch_internals": 1, "models": 2, "configure": 2, "plan": 3, "parallel": 4,
           "train": 5, "cli": 6, "tools": 6, "__init__": 7, "__main__": 7}
 # Imports inside functions that reach upward, each for a reason the layering cannot express.
 UPWARD = {
-    # model.init_from: a config takes its model's shape from a Hugging Face config.json, which
-    # only the families' adapters can read; loading such a config is the one time config needs them.
-    ("fivefold.config.load", "fivefold.models.hf_stream"),
     # `fivefold --version`: the version is written once, in the package's __init__ (pyproject reads it there).
     ("fivefold.cli.help_text", "fivefold"),
-    # train.optimizer = muon: which parameters Muon gets, and whether a group gives it a vector,
-    # depends on each parameter's kind and shape, which only the model's classes say (a meta-device
-    # model; validation builds it only for a config that asks for Muon).
-    ("fivefold.config.param_groups", "fivefold.models.param_kinds"),
-    ("fivefold.config.validate_optimizer", "fivefold.models"),
-    # lora.targets = re:PATTERN: whether the pattern selects any linear layer depends on the
-    # model's weight names and kinds (a meta-device model; built only for a pattern).
-    ("fivefold.config.lora", "fivefold.models"),
 }
 
 

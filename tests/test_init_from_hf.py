@@ -72,7 +72,8 @@ def test_training_starts_from_the_folder_under_dp2_tp2_pp2(hf_folder):
 
 
 def test_model_keys_that_disagree_with_the_folder_are_refused(hf_folder):
-    from fivefold.config import ConfigError, load_config
+    from fivefold.config import ConfigError
+    from fivefold.configure import load_config
 
     folder, _ = hf_folder
     with pytest.raises(ConfigError, match=r"model.n_layers=3 differs from .*config.json \(2\); drop it"):

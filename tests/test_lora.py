@@ -11,7 +11,7 @@ tests/test_lora_composition.py composes the dimensions on 4 ranks."""
 import pytest
 import torch
 
-from layouts import TP_WEIGHT_ATOL, assert_same_run, reference, run_layout, tiny_config
+from layouts import TP_WEIGHT_ATOL, assert_resumed_bit_for_bit, assert_same_run, continued, reference, run_layout, tiny_config
 from ranks import run_on_ranks
 
 from fivefold.config import ConfigError
@@ -214,7 +214,7 @@ def test_one_process_holds_only_adapter_state():
     ({"rank": -1}, "lora.rank must be >= 0"),
 ])
 def test_a_bad_lora_key_is_one_sentence(lora, problem):
-    from fivefold.config import validate
+    from fivefold.configure import validate
 
     with pytest.raises(ConfigError) as err:
         validate(tiny_config({"lora": {**LORA, **lora}}))
@@ -222,7 +222,7 @@ def test_a_bad_lora_key_is_one_sentence(lora, problem):
 
 
 def test_lora_with_muon_is_refused():
-    from fivefold.config import validate
+    from fivefold.configure import validate
 
     with pytest.raises(ConfigError) as err:
         validate(tiny_config({"lora": LORA, "train": {"optimizer": "muon"}}))
@@ -279,33 +279,22 @@ def test_adapted_experts_add_each_experts_low_rank_product():
     torch.testing.assert_close(experts(x, counts), want, rtol=1e-5, atol=1e-5)
 
 
-def _continued(reference_run, steps_done: int):
-    """The uninterrupted single-process run from step `steps_done` + 1 on (the tolerance rule's noise kept)."""
-    import dataclasses
-
-    return dataclasses.replace(reference_run, losses=reference_run.losses[steps_done:],
-                               grad_norms=reference_run.grad_norms[steps_done:])
-
-
 def test_same_layout_resume_is_bit_for_bit(runs):
     """The adapters and their AdamW moments come back exactly, and the base from the seed again."""
     for rank, results in enumerate(runs):
-        full, resumed = results[SAVED], results[f"resumed {SAVED}"]
-        assert resumed.losses == full.losses[2:] and resumed.grad_norms == full.grad_norms[2:], f"rank {rank}"
-        for name, tensor in full.weights.items():
-            assert torch.equal(resumed.weights[name], tensor), f"rank {rank}: {name}"
+        assert_resumed_bit_for_bit(results[SAVED], results[f"resumed {SAVED}"], 2, label=f"rank {rank}")
 
 
 @pytest.mark.parametrize("label", [label for label in RESUMES if label != SAVED])
 def test_resume_under_another_layout(runs, label):
-    want = _continued(reference(LAYOUTS[SAVED]), 2)
+    want = continued(reference(LAYOUTS[SAVED]), 2)
     for rank, results in enumerate(runs):
         assert_same_run(results[f"resumed {label}"], want, weight_atol=_atol(label),
                         label=f"lora resumed under {label} rank {rank}")
 
 
 def test_moe_resume_under_expert_parallelism(runs):
-    want = _continued(reference(LAYOUTS[MOE_SAVED]), 2)
+    want = continued(reference(LAYOUTS[MOE_SAVED]), 2)
     for rank, results in enumerate(runs):
         assert_same_run(results[f"resumed {MOE_RESUME}"], want, weight_atol=TP_WEIGHT_ATOL,  # saved under tp2
                         label=f"lora moe resumed under ep2 rank {rank}")
@@ -313,7 +302,7 @@ def test_moe_resume_under_expert_parallelism(runs):
 
 def test_resume_on_one_process(runs, root):
     got = run_layout(_checkpointed(_lora(), resume=f"{root}/step_00000002"))
-    assert_same_run(got, _continued(reference(LAYOUTS[SAVED]), 2), label="lora resumed on one process")
+    assert_same_run(got, continued(reference(LAYOUTS[SAVED]), 2), label="lora resumed on one process")
 
 
 def test_the_checkpoint_holds_adapters_not_the_base(runs, root):
@@ -334,7 +323,7 @@ def test_folder_base_trains_as_one_process_and_resumes(runs, folder):
     want = reference(_from_folder(folder))
     for rank, results in enumerate(runs):
         assert_same_run(results["folder dp2 zero2"], want, label=f"lora from a folder dp2 zero2 rank {rank}")
-        assert_same_run(results["folder resumed tp2"], _continued(want, 2), weight_atol=TP_WEIGHT_ATOL,
+        assert_same_run(results["folder resumed tp2"], continued(want, 2), weight_atol=TP_WEIGHT_ATOL,
                         label=f"lora from a folder resumed under tp2 rank {rank}")
     initial = {name: t for name, t in want.weights.items() if "lora_" not in name}
     from fivefold.models.hf import hf_box_reader
@@ -388,7 +377,7 @@ def test_dropout_draws_in_training_only():
 
 def test_a_pattern_that_selects_no_layer_is_one_sentence():
     """Refused at validation (a meta-device model), before any process group."""
-    from fivefold.config import validate
+    from fivefold.configure import validate
 
     with pytest.raises(ConfigError) as err:
         validate(tiny_config({"lora": {**LORA, "targets": "re:router"}}))

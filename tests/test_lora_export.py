@@ -17,7 +17,8 @@ peft = pytest.importorskip("peft")
 import fivefold  # noqa: E402
 from layouts import run_layout  # noqa: E402
 
-from fivefold.config import ConfigError, load_config  # noqa: E402
+from fivefold.config import ConfigError  # noqa: E402
+from fivefold.configure import load_config  # noqa: E402
 from fivefold.tools.convert import convert  # noqa: E402
 from fivefold.tools.generate import generate  # noqa: E402
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fivefold.config import ConfigError, load_config, validate
+from fivefold.config import ConfigError
+from fivefold.configure import load_config, validate
 from fivefold.models import build_model
 from fivefold.models.mtp import IGNORE, future_tokens
 from fivefold.train.supported import check_supported

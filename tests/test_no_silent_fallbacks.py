@@ -116,7 +116,7 @@ def test_defaults_and_used_options_are_not_reported():
 
 
 def test_planner_lists_no_twins():
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.plan.hardware import Runtime, hardware_for
     from fivefold.plan.search import search, without_ignored
     from fivefold.plan.workload import workload_from_config
@@ -136,7 +136,8 @@ def test_planner_lists_no_twins():
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_v_schedules_set_two_stages_per_rank(schedule):
-    from fivefold.config import ConfigError, validate
+    from fivefold.config import ConfigError
+    from fivefold.configure import validate
 
     cfg = tiny_config({"model": EIGHT_LAYERS, "train": {"micro_batch": 1},
                        "parallel": {"pp": 2, "pp_schedule": schedule}})

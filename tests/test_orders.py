@@ -17,7 +17,8 @@ FAMILIES = [  # (parallel keys, weight bound): tp reassociates row-parallel sums
 
 
 def accepted_orders() -> list[str]:
-    from fivefold.config import ConfigError, validate
+    from fivefold.config import ConfigError
+    from fivefold.configure import validate
 
     out = []
     for dims in itertools.permutations(["pp", "dp", "cp", "tp"]):
@@ -36,7 +37,8 @@ LAYOUTS = [{"train": {"micro_batch": 1}, "parallel": {**FAMILIES[i % len(FAMILIE
 
 
 def test_orders_with_cp_outside_dp_are_refused():
-    from fivefold.config import ConfigError, validate
+    from fivefold.config import ConfigError
+    from fivefold.configure import validate
 
     with pytest.raises(ConfigError, match=r"parallel.order='cp,dp,pp,tp' puts cp outside dp, .*put dp before cp"):
         validate(tiny_config({"parallel": {"order": "cp,dp,pp,tp"}}))

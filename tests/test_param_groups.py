@@ -109,7 +109,7 @@ def test_groups_reach_the_optimizer():
     ("norm: optimizer=muon", "Muon updates matrices only"),
 ])
 def test_a_bad_group_is_one_sentence(text, problem):
-    from fivefold.config import validate
+    from fivefold.configure import validate
 
     with pytest.raises(ConfigError) as err:
         validate(tiny_config({"train": {"param_groups": text}}))

@@ -98,7 +98,8 @@ def test_four_ranks(four_rank_results, index):
     ({"pp": 2, "pp_layers": "a,b"}, "must be comma-separated layer counts"),
 ])
 def test_bad_pipeline_inputs(overrides, message):
-    from fivefold.config import ConfigError, validate
+    from fivefold.config import ConfigError
+    from fivefold.configure import validate
     from layouts import tiny_config
 
     cfg = tiny_config({"parallel": overrides, "model": dict(EIGHT_LAYERS)})
@@ -145,7 +146,7 @@ def test_schedule_picture_refuses_bad_layout(tmp_path, capsys):
 
 def test_balanced_split_counts_the_output_layer():
     """The last stage carries the output projection: with a large vocabulary it gets fewer layers."""
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.plan.stage_split import balanced_layer_counts, stage_costs
 
     small_vocab = load_config(None, {"model": {"n_layers": 8}}).model

@@ -106,7 +106,7 @@ def test_every_prediction_carries_its_uncertainty_band():
 def test_a_compiled_run_is_planned_with_the_compiled_profile():
     """train.compile picks the profile calibrated on compiled runs (Inductor fuses elementwise
     chains): plan_layout, the CLI's evaluation and the search all see it."""
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.plan import estimate, plan_layout, workload_from_config
     from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER, hardware_for
     from fivefold.plan.layout import layout_from_config

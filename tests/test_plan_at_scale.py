@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.plan.layout import Layout
 from fivefold.plan.memory import rank_param_counts
 from fivefold.plan.model_stats import model_stats

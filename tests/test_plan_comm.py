@@ -176,7 +176,7 @@ def test_ep_groups_sit_where_the_mesh_puts_them():
 
 
 def _mixtral(seq_len: int = 4096, global_batch: int = 8):
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.plan.workload import workload_from_config
 
     return workload_from_config(load_config(None, ["--model.preset", "mixtral-8x7b", "--train.dtype", "bf16",

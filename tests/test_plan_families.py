@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.plan.hardware import PROFILES, device_peak_flops
 from fivefold.plan.model_stats import model_stats
 from fivefold.config.presets import PRESETS

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.mesh import ParallelDims
 from fivefold.plan.cli import run_plan
 from fivefold.plan.estimate import estimate
@@ -44,7 +44,7 @@ def test_the_planned_adapters_are_the_built_models(preset, targets):
 # frozen ones included (the build's own report counts the trained ones only).
 BUILD = """
 import json, sys, torch, torch.distributed as dist
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
 from fivefold.models.lora import adapter_initial_values

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.plan.activations import layer_activation_bytes, layer_activation_elements
 from fivefold.plan.estimate import estimate
 from fivefold.plan.gemm import layer_gemms

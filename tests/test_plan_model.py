@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.plan import comm
 from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import DEFAULT_RUNTIME, NANOTRON_RUNTIME, hardware_for

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.config.presets import PRESETS
 from fivefold.plan.cli import run_plan
 from fivefold.plan.estimate import estimate

@@ -3,8 +3,8 @@ the pipeline's first (and last) stage fewer layers, as Llama 3 trained, and says
 
 import dataclasses
 
-from fivefold.config import load_config
-from fivefold.config.validate import validate
+from fivefold.configure import load_config
+from fivefold.configure import validate
 from fivefold.plan import hardware_for, runtime_for
 from fivefold.plan.layout import config_with_layout, parse_layout
 from fivefold.plan.memory import worst_rank_memory

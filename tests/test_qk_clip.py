@@ -148,7 +148,7 @@ def test_training_clips_and_reports_it():
     ({"model": {"preset": "tiny-deepseek-v3", "n_kv_heads": 4}}, "model.family = deepseek_v3: latent attention"),
     ({"lora": {"rank": 4}}, "which lora.rank freezes")])
 def test_where_it_cannot_act_it_is_refused(overrides, named):
-    from fivefold.config import validate
+    from fivefold.configure import validate
 
     with pytest.raises(ConfigError) as err:
         validate(tiny_config({**overrides, "train": {"qk_clip": TAU}}), world_size=1)

@@ -69,7 +69,7 @@ def test_build_refuses_a_rank_outside_the_layout():
 def test_muon_holds_the_one_momentum_the_planner_predicts(layout):
     """train.optimizer = muon: the block matrices' one momentum instead of AdamW's two moments, in
     ZeRO chunks and tensor-parallel shards alike, as the planner counts it (plan/memory.py)."""
-    from fivefold.config import load_config
+    from fivefold.configure import load_config
     from fivefold.tools.rank_build import planned_state_bytes
 
     args = ["tiny", "--parallel.tp", "1", *layout, "--train.optimizer", "muon", "--rank", "1"]

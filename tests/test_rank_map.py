@@ -5,7 +5,7 @@ bad input gets one sentence. That the map is what a run really does is checked i
 
 
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.mesh import ParallelDims
 from fivefold.tools.rank_map import crosses_nodes, format_rank_map, rank_groups, rank_infos
 from fivefold.config.shipped import CONFIG_DIR

@@ -1,15 +1,16 @@
 """The layout search and validation refuse the same layouts: over every layout the search enumerates
 for each shipped config on 4 GPUs, the search's quick check (plan/search.py layout_problem, which
 reads config/pipeline_rules.py) passes
-exactly the layouts fivefold.config.validate accepts, so the search never proposes a layout the
+exactly the layouts fivefold.configure.validate accepts, so the search never proposes a layout the
 trainer refuses, nor skips one it runs."""
 
 import dataclasses
 
 import pytest
 
-from fivefold.config import CheckpointConfig, ConfigError, DataConfig, load_config, shipped
-from fivefold.config.validate import validate
+from fivefold.config import CheckpointConfig, ConfigError, DataConfig, shipped
+from fivefold.configure import load_config
+from fivefold.configure import validate
 from fivefold.plan.layout import config_with_layout
 from fivefold.plan.search import candidate_layouts, layout_problem
 from fivefold.plan.workload import workload_from_config

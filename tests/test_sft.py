@@ -19,7 +19,7 @@ from chat_data import END, make_qwen3_folder, prepare_folder  # noqa: E402
 from layouts import tiny_config  # noqa: E402
 
 from fivefold.config import ConfigError  # noqa: E402
-from fivefold.config.validate import validate  # noqa: E402
+from fivefold.configure import validate  # noqa: E402
 
 SEQ = 64
 

@@ -36,9 +36,9 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig) -> "ParallelDims":
-        if not p.dp:  # config.validate(cfg, world_size) resolves it at launch
+        if not p.dp:  # validate(cfg, world_size) resolves it at launch
             raise ConfigError("parallel.dp=0 takes dp from the world size, which is not known here; "
-                              "validate the config with the job's world size first (fivefold.config.validate)")
+                              "validate the config with the job's world size first (fivefold.configure.validate)")
         shard = p.dp_shard or p.dp
         return cls(dp_replicate=p.dp // shard, dp_shard=shard, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep,
                    order=tuple(d.strip() for d in p.order.split(",")))

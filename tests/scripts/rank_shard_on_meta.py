@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fivefold.config import load_config
+from fivefold.configure import load_config
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model
 from fivefold.models.registry import model_spec

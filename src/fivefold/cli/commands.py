@@ -8,7 +8,8 @@ import os
 import sys
 
 from fivefold.cli import help_text as cli_help
-from fivefold.config import ConfigError, load_config, to_toml, validate
+from fivefold.config import ConfigError, to_toml
+from fivefold.configure import load_config, validate
 
 
 class _Parser(argparse.ArgumentParser):

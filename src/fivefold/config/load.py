@@ -2,8 +2,9 @@
 with a type check and a did-you-mean for every key; and the resolved config back as TOML.
 
 A config is resolved in this order: dataclass defaults < model preset < TOML file < command line.
-The dataclasses and their accepted values live in config/schema.py; `from fivefold.config import
-load_config` (and the other names here) keeps working, config/schema.py re-exports them.
+The dataclasses and their accepted values live in config/schema.py. model.init_from needs the
+families' readers of config.json, which live above this layer: fivefold.configure.load_config passes
+them in (config/ imports nothing of fivefold outside itself).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import tomllib
 import typing
 from pathlib import Path
+from typing import Callable
 
 from fivefold.config import shipped as shipped_configs
 from fivefold.config.errors import ConfigError
@@ -88,14 +90,20 @@ def _boolean_choice(cls, key: str, value):
     return ("true" if value else "false") if {"true", "false"} <= set(choices) else value
 
 
-def _model_from_folder(raw_model: dict) -> dict:
+# A Hugging Face folder -> the ModelConfig of its config.json (only the families' adapters, in
+# models/, know their keys; fivefold.configure passes their reader in).
+FolderReader = Callable[[Path], ModelConfig]
+
+
+def _model_from_folder(raw_model: dict, read_folder: FolderReader | None) -> dict:
     """model.init_from: every model key from the folder's config.json. A key also given explicitly
     must agree with it (another value would describe another model than the weights)."""
-    from fivefold.models.hf_stream import read_hf_config  # here: models/ builds on this module
-
     folder = Path(raw_model["init_from"])
+    if read_folder is None:
+        raise ConfigError(f"model.init_from='{folder}' is read by fivefold.configure.load_config, which knows "
+                          "the families' config.json keys; load the config with that function")
     try:
-        resolved = dataclasses.asdict(read_hf_config(folder))
+        resolved = dataclasses.asdict(read_folder(folder))
     except ConfigError as err:
         raise ConfigError(f"model.init_from='{folder}' needs a Hugging Face folder: {err}") from None
     for key, value in raw_model.items():
@@ -111,11 +119,11 @@ def _model_from_folder(raw_model: dict) -> dict:
     return {**resolved, "init_from": str(folder), "preset": raw_model.get("preset", ModelConfig.preset)}
 
 
-def _resolve_model(raw_model: dict) -> dict:
+def _resolve_model(raw_model: dict, read_folder: FolderReader | None) -> dict:
     """Preset values first, explicit keys on top (the [model.moe] table merged key by key); or,
     with model.init_from, the folder's config.json."""
     if raw_model.get("init_from"):
-        return _model_from_folder(raw_model)
+        return _model_from_folder(raw_model, read_folder)
     preset = raw_model.get("preset", ModelConfig.preset)
     if preset not in PRESETS:
         raise ConfigError(f"model.preset '{preset}' is unknown{_suggest(preset, PRESETS)}; "
@@ -132,7 +140,7 @@ def _resolve_model(raw_model: dict) -> dict:
     return merged
 
 
-def config_from_dict(raw: dict) -> Config:
+def config_from_dict(raw: dict, read_folder: FolderReader | None = None) -> Config:
     raw = dict(raw)
     sections = _hints(Config)
     for name in raw:
@@ -140,7 +148,7 @@ def config_from_dict(raw: dict) -> Config:
             raise ConfigError(f"unknown section [{name}]{_suggest(name, sections)}")
         if not isinstance(raw[name], dict):
             raise ConfigError(f"[{name}] must be a section of keys, got {raw[name]!r}")
-    raw["model"] = _resolve_model(raw.get("model", {}))
+    raw["model"] = _resolve_model(raw.get("model", {}), read_folder)
     return Config(**{name: _build(sections[name], raw.get(name, {}), name) for name in sections})
 
 
@@ -180,8 +188,10 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
-    """TOML file (optional) plus command-line overrides -> a resolved Config (not yet validated)."""
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
+                read_folder: FolderReader | None = None) -> Config:
+    """TOML file (optional) plus command-line overrides -> a resolved Config (not yet validated).
+    `read_folder` resolves model.init_from (fivefold.configure.load_config passes the families')."""
     raw: dict = {}
     if path is not None:
         path = shipped_configs.resolve(path)  # or a shipped config by name: `tiny`, `demo`
@@ -195,7 +205,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     if overrides:
         extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         raw = _deep_merge(raw, extra)
-    return config_from_dict(raw)
+    return config_from_dict(raw, read_folder)
 
 
 def to_toml(cfg: Config) -> str:

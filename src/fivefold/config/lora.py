@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from fivefold.config.errors import ConfigError
+from fivefold.config.validate_optimizer import runs_muon
 
 # The kinds whose weights are linear maps an adapter can sit beside (a router is left alone: its
 # scores choose experts, and adapting them would move tokens between experts, not adapt them).
@@ -56,16 +57,12 @@ def parse_targets(text: str) -> Targets:
 
 
 def check_lora(cfg) -> None:
-    """The rules tying [lora] to the other sections (its keys' own ranges are declared in schema.py)."""
+    """The rules tying [lora] to the other sections (its keys' own ranges are declared in schema.py;
+    a pattern that selects no linear layer needs the model: fivefold/configure/model_rules.py)."""
     lora, t = cfg.lora, cfg.train
     if lora.rank == 0:
         return
-    if parse_targets(lora.targets).pattern:  # a pattern that selects no linear layer: one sentence
-        from fivefold.models import build_meta_model
-
-        build_meta_model(cfg.model, lora)  # on the meta device: no memory
-    from fivefold.config.validate_optimizer import runs_muon
-
+    parse_targets(lora.targets)
     if runs_muon(t.optimizer, t.param_groups):
         raise ConfigError(f"lora.rank={lora.rank} trains its adapters with AdamW only, but train.optimizer or "
                           "train.param_groups names muon; set train.optimizer = adamw and drop optimizer=muon "

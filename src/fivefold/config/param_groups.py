@@ -16,7 +16,7 @@ embeddings (a tied output matrix is the embedding).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 # The parameter kinds a selector names (models/param_kinds.py says which parameter has which):
 # declared here, with the key, so that checking a config needs no model code (and no torch).
@@ -46,7 +46,7 @@ class Group:
         return kind in self.kinds if self.kinds else re.search(self.pattern, name) is not None
 
 
-def _refuse(text: str, problem: str):
+def refuse(text: str, problem: str):
     from fivefold.config.errors import ConfigError
 
     raise ConfigError(f"train.param_groups='{text}': {problem}; write groups as 'SELECTOR: key=value, ...' "
@@ -62,25 +62,25 @@ def parse(text: str) -> list[Group]:
         selector, colon, settings = raw.rpartition(":")
         selector = selector.strip()
         if not colon or not selector or selector == "re":
-            _refuse(text, f"group '{raw}' has no 'SELECTOR:' before its settings")
+            refuse(text, f"group '{raw}' has no 'SELECTOR:' before its settings")
         kinds, pattern = (), ""
         if selector.startswith("re:"):
             pattern = selector[3:]
             try:
                 re.compile(pattern)
             except re.error as err:
-                _refuse(text, f"'{pattern}' is not a regular expression ({err})")
+                refuse(text, f"'{pattern}' is not a regular expression ({err})")
         else:
             kinds = tuple(k.strip() for k in selector.split("|"))
             unknown = [k for k in kinds if k not in KINDS]
             if unknown:
-                _refuse(text, f"'{unknown[0]}' is not a parameter kind (kinds: {', '.join(KINDS)}; "
+                refuse(text, f"'{unknown[0]}' is not a parameter kind (kinds: {', '.join(KINDS)}; "
                               "or select by name with re:PATTERN)")
         keys = []
         for item in (s.strip() for s in settings.split(",")):
             key, eq, value = (part.strip() for part in item.partition("="))
             if not eq or key not in _KEYS:
-                _refuse(text, f"'{item}' is not one of {', '.join(k + '=...' for k in _KEYS)}")
+                refuse(text, f"'{item}' is not one of {', '.join(k + '=...' for k in _KEYS)}")
             keys.append((key, _value(text, key, value)))
         groups.append(Group(kinds, pattern, tuple(keys)))
     return groups
@@ -89,34 +89,12 @@ def parse(text: str) -> list[Group]:
 def _value(text: str, key: str, value: str):
     if key == "optimizer":
         if value not in OPTIMIZERS:
-            _refuse(text, f"optimizer={value} is not one of {' | '.join(OPTIMIZERS)}")
+            refuse(text, f"optimizer={value} is not one of {' | '.join(OPTIMIZERS)}")
         return value
     try:
         number = float(value)
     except ValueError:
         number = float("nan")
     if not (number > 0 if key == "lr_scale" else number >= 0):  # nan fails both
-        _refuse(text, f"{key}={value} must be a number {'> 0' if key == 'lr_scale' else '>= 0'}")
+        refuse(text, f"{key}={value} must be a number {'> 0' if key == 'lr_scale' else '>= 0'}")
     return number
-
-
-def settings_by_name(train, model) -> dict[str, GroupSettings]:
-    """Single-device parameter name -> its settings, for every name of every parameter of `model`
-    (a meta-device model is enough). `train`: the [train] section."""
-    from fivefold.models.param_kinds import BLOCK_MATRIX_KINDS, param_kinds
-
-    groups = parse(train.param_groups)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    out = {}
-    for name, kind in param_kinds(model).items():
-        param = params[name]
-        muon = train.optimizer == "muon" and kind in BLOCK_MATRIX_KINDS and param.dim() >= 2
-        settings = GroupSettings(1.0, train.weight_decay, "muon" if muon else "adamw")
-        for group in groups:
-            if group.selects(name, kind):
-                settings = replace(settings, **dict(group.keys))
-        if settings.optimizer == "muon" and param.dim() < 2:
-            _refuse(train.param_groups, f"it gives {name} (a {param.dim()}-D {kind} tensor) optimizer=muon, "
-                                        "but Muon updates matrices only; narrow that group's selector")
-        out[name] = settings
-    return out

@@ -2,7 +2,7 @@
 (`checked(...)`, config/checks.py) and a comment that `fivefold train --help` shows.
 
 Loading (TOML, `--section.key value` overrides, presets) lives in config/load.py and validation
-across keys in config/validate.py; both are re-exported here. Every problem is reported as a `ConfigError`
+across keys in config/validate.py (callers use both through fivefold.configure). Every problem is reported as a `ConfigError`
 holding one sentence that names the key and the fix; the CLI prints that sentence and exits, so no
 traceback reaches the user for a bad config.
 """
@@ -13,11 +13,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fivefold.config.checks import checked
-from fivefold.config.errors import ConfigError  # noqa: F401 - the schema's own error
-from fivefold.config.schedules import PP_SCHEDULES  # noqa: F401 - one of the parallel keys' choices
+from fivefold.config.schedules import PP_SCHEDULES
 
 
-# Choices of the parallel keys (config/validate.py imports them from here).
+# Choices of the parallel keys.
 CP_METHODS = ("ring", "allgather", "ulysses")
 BACKENDS = ("auto", "nccl", "gloo", "cpu:gloo,cuda:nccl")  # torch.distributed names; auto: runtime.py
 FABRICS = ("full_bisection", "tapered")  # cluster.fabric
@@ -147,7 +146,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         # The V schedules run exactly two stages per rank: pp_virtual left at its default 1 means
-        # that (another explicit value is refused by fivefold.config.validate).
+        # that (another explicit value is refused by fivefold.configure.validate).
         if self.pp > 1 and self.pp_schedule in ("zbv", "dualpipev") and self.pp_virtual == 1:
             self.pp_virtual = 2
 

@@ -17,7 +17,7 @@ from fivefold.config.families import FAMILIES
 from fivefold.config.lora import check_lora
 from fivefold.config.pipeline_rules import micro_batch_problem, pipeline_problem
 from fivefold.config.schedules import SPLIT_BACKWARD_SCHEDULES
-from fivefold.config.schema import BACKENDS, CP_METHODS, PP_SCHEDULES, Config, ParallelConfig, micro_batches  # noqa: F401
+from fivefold.config.schema import Config, ParallelConfig, micro_batches
 from fivefold.config.validate_data import check_data
 from fivefold.config.validate_optimizer import check_optimizer
 from fivefold.config.validate_attention import check_family_keys
@@ -265,7 +265,8 @@ def resolve_dp(cfg: Config, world_size: int | None) -> None:
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Raise ConfigError on the first problem; return the config when it is sound (unchanged, but
-    for parallel.dp = 0, which becomes the degree the world size leaves: resolve_dp)."""
+    for parallel.dp = 0, which becomes the degree the world size leaves: resolve_dp). The rules
+    that need the model's classes follow in fivefold.configure.validate, which callers use."""
     for section in dataclasses.fields(cfg):  # each key's own range and choices (config/schema.py declares them)
         check_fields(getattr(cfg, section.name), section.name)
     resolve_dp(cfg, world_size)

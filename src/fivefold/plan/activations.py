@@ -174,7 +174,7 @@ def fivefold_attention_bytes(stats: ModelStats, layout: Layout, seq_len: int, re
     q, k, v, o = stats.q_dim / t, stats.kv_dim / t, stats.v_dim / t, stats.o_dim / t
     heads = stats.n_heads / t
     # Unfused (no kernel for this shape on this device): SDPA's math path and ring attention's
-    # plain one (parallel/context/blocks.py) compute in fp32 and hold fp32 scores of every key
+    # plain one (models/attention_blocks.py) compute in fp32 and hold fp32 scores of every key
     # (Ulysses: all heads' share of the whole sequence); under ring each rank holds its own square
     # block and half of each of the other cp-1 (the zigzag split).
     math = not fused and not (ring and cp > 1)

@@ -10,7 +10,7 @@ worker rank loads the same config a hand-written layout would give it.
 The enumeration is the search's own (plan/search.py candidate_layouts: the same degrees, micro-batch
 sizes, schedules, ZeRO stages and recomputation, in the same order), given the keys the user fixed,
 which keep the user's values instead of taking the search's options; with every key free, the
-choice is the search's top pick among the layouts fivefold.config.validate accepts.
+choice is the search's top pick among the layouts fivefold.configure.validate accepts.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fivefold.plan.memory import worst_rank_memory
 from fivefold.plan.search import (candidate_layouts, divisors, explain, field_options, layout_problem, memory_reason,
                                   rank)
 from fivefold.plan.workload import workload_from_config
-from fivefold.config.validate import validate
+from fivefold.configure import validate
 
 GB = 1e9
 # The keys a user may leave to the planner -> the Layout field each one sets.
@@ -163,7 +163,7 @@ def planning_config(cfg: Config) -> Config:
 def choose(cfg: Config, world: int, hw: Hardware, runtime: Runtime, free: frozenset[str],
            check=None, keep: int = 2) -> Choice:
     """The fastest layout of `world` ranks on `hw` that fits and that the training code accepts
-    (fivefold.config.validate, then `check(config)` for training-only rules, e.g. train/supported.py's check_supported), with
+    (fivefold.configure.validate, then `check(config)` for training-only rules, e.g. train/supported.py's check_supported), with
     at least the next `keep - 1` valid ones and the best of other degrees (Choice.valid).
     Raises ConfigError with the reason when there is none."""
     cfg = planning_config(cfg)

@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig, load_config
+from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig
 from fivefold.plan.compile_choice import planned_compile
 from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import FRAMEWORKS, PROFILES, hardware_from_cluster, runtime_for
@@ -23,7 +23,7 @@ from fivefold.config.file_errors import guarded, need_output_file
 from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, main_reasons, search,
                                   smallest_fitting_cluster)
 from fivefold.plan.workload import workload_from_config
-from fivefold.config.validate import validate
+from fivefold.configure import load_config, validate
 
 USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--cluster.gpus_per_node 8]
                      [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]

@@ -168,7 +168,7 @@ def layout_from_config(cfg: Config) -> Layout:
 
 def config_with_layout(cfg: Config, layout: Layout) -> Config:
     """A copy of cfg whose [parallel] and train.micro_batch/recompute say what the layout says,
-    so that fivefold.config.validate can check the layout with the training code's own rules."""
+    so that fivefold.configure.validate can check the layout with the training code's own rules."""
     parallel = dataclasses.replace(
         cfg.parallel, dp=layout.dp, zero=layout.zero, tp=layout.tp, pp=layout.pp, cp=layout.cp,
         ep=layout.ep, pp_schedule=layout.pp_schedule, pp_virtual=layout.pp_virtual,

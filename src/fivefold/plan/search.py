@@ -22,7 +22,8 @@ from fivefold.plan.layout import Layout, config_with_layout
 from fivefold.plan.memory import worst_rank_memory
 from fivefold.plan.schedule import END_RELIEFS, end_relieved_splits
 from fivefold.plan.workload import Workload
-from fivefold.config.validate import ignored_options, validate
+from fivefold.config.validate import ignored_options
+from fivefold.configure import validate
 
 GB = 1e9
 RECOMPUTE_ORDER = ("none", "selective", "full")  # fastest first
@@ -51,7 +52,7 @@ def layout_problem(cfg: Config, workload: Workload, layout: Layout, world: int |
                    full_check: bool = True) -> str | None:
     """Why this layout cannot run at all (one sentence), or None.
 
-    full_check runs the training code's own rules (fivefold.config.validate) on the config with this
+    full_check runs the training code's own rules (fivefold.configure.validate) on the config with this
     layout; the search enumerates only layouts that already satisfy the divisibility rules, so
     it checks just what depends on the batch and the pipeline, and validates its winners."""
     if full_check:
@@ -143,7 +144,7 @@ def without_ignored(layout: Layout) -> Layout:
 
 def _schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
     """(pp_schedule, pp_virtual) pairs to try: two stages per rank for the schedules that need
-    them (fivefold.config.validate's rule; one for plan/stage_split.py's SINGLE_STAGE_SCHEDULES),
+    them (fivefold.configure.validate's rule; one for plan/stage_split.py's SINGLE_STAGE_SCHEDULES),
     unless pp_virtual is fixed."""
     if pp == 1:
         return [(fixed.get("pp_schedule", "1f1b"), fixed.get("pp_virtual", 1))]

@@ -5,7 +5,7 @@ Llama 3 405B ran that way (Dubey et al. 2024, s3.3.2: 126 layers on pp 16 with i
 layer per chunk, the first and the last stage one layer short, so that the embedding and the output
 layer sit alone). The planner's schedule model takes any non-negative counts (plan/schedule.py
 parse_pp_layers); fivefold's trainer gives every stage at least one layer
-(fivefold.config.validate). `fivefold plan --layout` evaluates such a split, says in its why that
+(fivefold.configure.validate). `fivefold plan --layout` evaluates such a split, says in its why that
 the trainer would refuse it, and checks every other rule on the nearest split the trainer runs.
 """
 

@@ -6,7 +6,7 @@ Pure arithmetic (no process groups), so validation, the planner and the rank map
 from __future__ import annotations
 
 from fivefold.config import ModelConfig
-from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, parse_layer_counts  # noqa: F401 - re-exported
+from fivefold.config.schedules import V_SCHEDULES, parse_layer_counts
 
 
 def stage_to_rank(stage: int, pp: int, schedule: str) -> int:

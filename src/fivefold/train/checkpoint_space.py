@@ -26,7 +26,7 @@ GB = 1e9
 def checkpoint_elements(cfg: Config) -> dict[str, int]:
     """fp32 elements of one checkpoint of this model by what they hold: 'weights', and each
     optimizer's state ('adamw', 'muon'), from a meta-device model (no memory)."""
-    from fivefold.config.param_groups import settings_by_name
+    from fivefold.models.param_settings import settings_by_name
     from fivefold.models import build_meta_model
     from fivefold.models.lora import is_adapter
 

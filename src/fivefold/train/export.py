@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import ConfigError, load_config
+from fivefold.config import ConfigError
+from fivefold.configure import load_config
 from fivefold.config.file_errors import os_problem, verb
 from fivefold.models.hf import DEFAULT_SHARD_BYTES
 from fivefold.models.hf_stream import write_hf_folder

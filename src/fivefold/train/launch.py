@@ -21,7 +21,8 @@ import tempfile
 import time
 import uuid
 
-from fivefold.config import ConfigError, load_config
+from fivefold.config import ConfigError
+from fivefold.configure import load_config
 from fivefold.config.file_errors import FileProblem
 from fivefold.train.faults import ERROR_DIR
 

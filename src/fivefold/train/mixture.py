@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from fivefold.config import ConfigError
-from fivefold.config.validate_data import parse_mix  # noqa: F401 - data.mix, parsed where validation reads it
 
 BLOCK = 4096
 

@@ -33,7 +33,8 @@ from fivefold.config import ConfigError
 from fivefold.config.file_errors import need_output_folder, os_problem, verb
 from fivefold.config.tokenizer_file import parse_tokenizer, read_tokenizer, tokenizer_bytes
 from fivefold.train.readers import list_files, plan_units, unit_texts
-from fivefold.train.token_shards import DOCUMENTS, FORMAT, MANIFEST
+from fivefold.config.manifest import FORMAT
+from fivefold.train.token_shards import DOCUMENTS, MANIFEST
 
 UNIT_BYTES = 32 << 20
 PLAN = ".plan.json"  # an unfinished prepare: what it is making (removed when the manifest is written)

@@ -22,7 +22,7 @@ def saved_train(state: dict, train):
 def optimizers_by_name(train, cfg_model, lora=None) -> dict[str, str]:
     """Single-device parameter name -> the optimizer that updates it under `train` (`lora`: the
     [lora] section, whose adapters are parameters too)."""
-    from fivefold.config.param_groups import settings_by_name
+    from fivefold.models.param_settings import settings_by_name
     from fivefold.models import build_meta_model
 
     return {name: s.optimizer for name, s in settings_by_name(train, build_meta_model(cfg_model, lora)).items()}

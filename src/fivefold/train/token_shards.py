@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from fivefold.config.file_errors import FileProblem, guarded, need_file
-from fivefold.config.manifest import FORMAT, MANIFEST, read_manifest  # noqa: F401 - the folder's manifest
+from fivefold.config.manifest import MANIFEST, read_manifest
 
 DOCUMENTS = "documents.npy"
 HELD_OUT_BLOCKS = 1024

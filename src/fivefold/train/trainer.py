@@ -31,7 +31,8 @@ from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, NonFiniteStep
 from fivefold.train.mixture import GlobalBatches
 from fivefold.train.optim import build_optimizer, lr_multiplier, lr_scheduler, muon_tensors
 from fivefold.train.prefetch import BatchPrefetcher
-from fivefold.config.validate import ignored_note, validate
+from fivefold.config.validate import ignored_note
+from fivefold.configure import validate
 from fivefold.train.supported import check_supported
 
 

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 from fivefold.models.documents import document_attention
 from fivefold.models.masked_attention import masked_attention
-from fivefold.parallel.context.blocks import merge_rows
 from fivefold.parallel.context.apply import gathered_chunk_order, local_positions
 from fivefold.parallel.context.ring import gather_documents, pack_kv
-from fivefold.parallel.context.windows import (Block, BlockMethod, BlockwiseAttention, chunk_blocks, part_backward,
-                                               part_forward, visible_parts)
+from fivefold.models.attention_blocks import merge_rows
+from fivefold.models.attention_windows import Block, part_backward, part_forward, visible_parts
+from fivefold.parallel.context.windows import BlockMethod, BlockwiseAttention, chunk_blocks
 
 # torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

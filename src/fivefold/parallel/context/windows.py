@@ -25,9 +25,7 @@ from typing import Callable
 
 import torch
 
-# The block rules live with the model's attention (parallelism-free); re-exported for the cp methods.
-from fivefold.models.attention_windows import (MIN_TILE, Block, add_sinks, part_backward, part_forward,  # noqa: F401
-                                               sink_grad, trim_to_window, visible_parts, window_tiles)
+from fivefold.models.attention_windows import Block, add_sinks, sink_grad
 
 
 def chunk_blocks(query_chunks, key_chunks, chunk: int) -> list[Block]:

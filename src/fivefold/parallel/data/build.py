@@ -35,7 +35,7 @@ def build_data_parallel(parts: list[nn.Module], dims: ParallelDims, mesh, cfg: C
 
 def optimizer_settings(cfg: Config) -> dict:
     """Each parameter's optimizer settings by single-device name (config/param_groups.py)."""
-    from fivefold.config.param_groups import settings_by_name
+    from fivefold.models.param_settings import settings_by_name
     from fivefold.models import build_meta_model
 
     return settings_by_name(cfg.train, build_meta_model(cfg.model, cfg.lora))

@@ -28,7 +28,8 @@ from fivefold.config import Config, micro_batches
 from fivefold.models.spec import ModelSpec
 from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.grad_norm import local_tensor, settle_grad_layout
-from fivefold.plan.stage_split import SINGLE_STAGE_SCHEDULES, layers_per_stage, stages_of_rank
+from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES
+from fivefold.plan.stage_split import layers_per_stage, stages_of_rank
 from fivefold.parallel.pipeline.observed_stage import ObservedStage
 from fivefold.torch_internals import dtensor_local_tensor, is_view, recv_info_buffer, stage_args_recv_info, stage_fwd_cache
 
