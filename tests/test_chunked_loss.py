@@ -102,13 +102,14 @@ def test_lm_loss_and_loss_mask_scale():
     want, _ = _plain(logits, labels)
     assert torch.allclose(lm_loss(logits, future), want, atol=1e-6)
     loss_fn = LMLoss()
-    loss_fn.scale = 0.25
     want_sum, want_grad = _plain(logits, labels, "sum")
     leaf = logits.clone().requires_grad_()
-    got = loss_fn(leaf * 1, labels)
+    with loss_fn.scaled_by(0.25):
+        got = loss_fn(leaf * 1, labels)
     got.backward()
     assert torch.allclose(got, want_sum * 0.25, rtol=1e-6)
     assert (leaf.grad - want_grad * 0.25).abs().max() <= 1e-6
+    assert torch.allclose(loss_fn(logits, labels), want, atol=1e-6)  # outside the block: plain text again
 
 
 def test_no_grad_and_default_chunks():

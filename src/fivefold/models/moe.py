@@ -18,8 +18,9 @@ without touching the math here:
 
 The auxiliary loss reaches the gradients without being added to the model's output: an autograd
 function passes the layer's output through unchanged and, in backward, gives the auxiliary loss the
-gradient `aux_grad_scale` (Megatron's approach). So it works the same inside a pipeline stage or a
-recomputed block; the training loop only sets the scale (1/micro-batches, like the LM loss).
+gradient of the micro-batch's weight in its step (Megatron's approach; models/loss_weight.py: 1/micro-
+batches, like the LM loss, stated by the training loop around its forwards). So it works the same
+inside a pipeline stage or a recomputed block.
 Router statistics (load per expert, dropped assignments, auxiliary loss value) are kept per
 forward, skipping no-grad forwards (evaluation) and the forwards that recomputation repeats inside
 backward; `take_stats(n)` sums the last n (a step's micro-batches: a pipeline stage's first step
@@ -39,6 +40,7 @@ from torch import nn
 
 from fivefold.config import ModelConfig, MoEConfig
 from fivefold.models.decoder import FeedForward
+from fivefold.models.loss_weight import current_micro_batch_weight
 from fivefold.models.moe_capacity import SequenceSplit, capacity_keep, nested
 from fivefold.models.moe_layout import is_moe_layer
 from fivefold.models.swiglu import swiglu
@@ -247,7 +249,6 @@ class MoE(nn.Module):
         self.router = Router(dim, cfg)
         self.experts = Experts(cfg.n_experts, dim, hidden, cfg.projection_bias, expert_activation(cfg))
         self.shared = FeedForward(dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        self.aux_grad_scale = 1.0  # set by the training loop: 1/micro-batches per step
         self.sequence_split: SequenceSplit | None = None  # the whole sequence split over ranks
         self.slice_split: SequenceSplit | None = None  # the rank's sequence cut into slices
         self.stats: list[RouterStats] = []  # one per forward since the last take_stats
@@ -286,7 +287,7 @@ class MoE(nn.Module):
             out = out + self.shared(tokens)
         out = out.view(batch, seq, dim).to(x.dtype)
         if aux is not None and torch.is_grad_enabled():
-            out = AttachAuxLoss.apply(out, aux, self.aux_grad_scale)
+            out = AttachAuxLoss.apply(out, aux, current_micro_batch_weight())
         return out
 
     @torch.no_grad()

@@ -22,7 +22,7 @@ no target, so this is (seq_len - k)/seq_len of a mean over the others).
 
 As for the MoE auxiliary loss (models/moe.py), the MTP loss reaches the gradients through an autograd
 function on the main logits: identity forward, and in backward the loss gets the gradient
-`mtp_loss_weight / D · aux_grad_scale`. The LM loss the trainer reports stays the LM loss; the MTP
+`mtp_loss_weight / D` times the micro-batch's weight in its step (models/loss_weight.py). The LM loss the trainer reports stays the LM loss; the MTP
 loss of each forward that counts (not evaluation, not a recomputation) is recorded for the metrics.
 """
 
@@ -59,7 +59,6 @@ class MTPLayer(TransformerBlock):
         self.hnorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
         self.head_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)  # before the shared output layer
-        self.aux_grad_scale = 1.0  # set by the training loop: 1/micro-batches per step
         self._losses: list[torch.Tensor] = []
 
     def forward(self, h: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -22,6 +22,8 @@ back to F.cross_entropy (under `loss_parallel` where the caller set it).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
@@ -80,9 +82,10 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, overwrite: bool = False)
 
 
 class LMLoss:
-    """`lm_loss`, or under a loss mask the scaled sum over trained positions (`scale` set per step
-    by Parallelized; None = plain text). One object, given to the pipeline schedule too, so both
-    paths read the same factor.
+    """`lm_loss`, or under a loss mask the scaled sum over trained positions. One object, given to
+    the pipeline schedule too (which calls it with logits and labels only), so both paths read the
+    same factor: Parallelized states it around each step's forwards with `scaled_by` (None = plain
+    text), and outside that block it is None.
 
     `overwrite`: the logits it is given are a step's model output that nothing reads after the loss,
     so their storage takes their gradient (parallel/loss.py module doc); Parallelized and the
@@ -91,6 +94,14 @@ class LMLoss:
     def __init__(self, overwrite: bool = True):
         self.scale: float | None = None
         self.overwrite = overwrite
+
+    @contextlib.contextmanager
+    def scaled_by(self, scale: float | None):
+        self.scale = scale
+        try:
+            yield
+        finally:
+            self.scale = None
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.scale is None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.mesh import ParallelDims
+from fivefold.models.loss_weight import micro_batch_weight
 from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.comm_ledger import CommLedger
 from fivefold.parallel.context.apply import SequenceSplit
@@ -109,10 +110,14 @@ class Parallelized:
     def forward_backward(self, batch: torch.Tensor, n_micro: int, autocast) -> torch.Tensor:
         """Forward, loss and backward of every micro-batch of a step on this rank's share of the
         global batch; returns the sum of the micro-batch losses (each already divided by n_micro)."""
-        for hook in self.step_hooks:  # e.g. MoE aux loss weighs like each micro-batch's LM loss: 1/n_micro
+        for hook in self.step_hooks:
             hook.before_step(self, n_micro)
         self.n_micro = n_micro
-        self._scale_loss(batch, n_micro)
+        # The losses a model adds beside the LM loss (MoE aux, MTP) weigh as each micro-batch's LM loss.
+        with self.loss_fn.scaled_by(self._loss_scale(batch, n_micro)), micro_batch_weight(1.0 / n_micro):
+            return self._forward_backward(batch, n_micro, autocast)
+
+    def _forward_backward(self, batch: torch.Tensor, n_micro: int, autocast) -> torch.Tensor:
         if self.pipeline is not None:
             inputs, labels, positions, documents = self.split_windows(batch)
             if positions is None:
@@ -137,29 +142,28 @@ class Parallelized:
     def eval_loss(self, windows: torch.Tensor, autocast) -> float:
         """Mean loss of a batch without gradients (this rank's share; not yet averaged over dp)."""
         inputs, labels, positions, documents = self.split_windows(windows)
-        self._scale_loss(windows, self.pipeline.n_micro if self.pipeline is not None else 1)
+        scale = self._loss_scale(windows, self.pipeline.n_micro if self.pipeline is not None else 1)
         if self.pipeline is not None:
             if positions is None:
                 positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
-            with torch.no_grad(), autocast(), self._loss_context():
+            with torch.no_grad(), autocast(), self._loss_context(), self.loss_fn.scaled_by(scale):
                 return self.pipeline.evaluate(inputs, labels, positions, documents).item()
-        with torch.no_grad(), autocast():
+        with torch.no_grad(), autocast(), self.loss_fn.scaled_by(scale):
             return self.loss_value(self.loss(self.model(inputs, positions, documents), labels)).item()
 
-    def _scale_loss(self, windows, n_micro: int) -> None:
+    def _loss_scale(self, windows, n_micro: int) -> float | None:
         """Under a loss mask: the factor that makes each micro-batch's summed loss, once averaged
         over the n_micro micro-batches and the dp·cp ranks, the mean over the trained positions
         of the global batch (parallel/loss.py). Every rank of a dp group holds whole sequences
         of its share, so their counts summed over dp give the global batch's."""
         mine = trained_positions(windows)
         if mine is None:
-            self.loss_fn.scale = None
-            return
+            return None
         total = mine
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             total = int(all_reduce_scalars([float(mine)], self.dp_group, self.device).item())
         averaged_over = n_micro * (dist.get_world_size(self.dp_cp_group) if self.dp_cp_group is not None else 1)
-        self.loss_fn.scale = averaged_over / total if total else 0.0  # nothing trained: no gradient
+        return averaged_over / total if total else 0.0  # nothing trained: no gradient
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return self.data_parallel.clip_grad_norm(max_norm)

@@ -27,16 +27,11 @@ class StepHook:
 
 class MultiTokenPredictionStep(StepHook):
     """Multi-token prediction (models/mtp.py): its loss joins the gradients with each micro-batch's
-    weight, and `mtp_loss` reports it (mean over its depths and the step's micro-batches, over the
+    weight (models/loss_weight.py, stated by Parallelized.forward_backward), and `mtp_loss` reports it (mean over its depths and the step's micro-batches, over the
     global batch), unweighted. Only the last pipeline stage computes it; every rank gets it."""
 
     def __init__(self, depth: int):
         self.depth = depth
-
-    def before_step(self, par, n_micro: int) -> None:
-        for part in par.parts:
-            for layer in mtp_layers(part):
-                layer.aux_grad_scale = 1.0 / n_micro
 
     def after_optimizer_step(self, par, optimizer) -> dict:
         mine = sum(sum(layer.take_losses(last=par.n_micro)) for part in par.parts for layer in mtp_layers(part))

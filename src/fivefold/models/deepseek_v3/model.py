@@ -30,6 +30,7 @@ from fivefold.models.deepseek_v3.rope import (
     softmax_scale_factor,
 )
 from fivefold.models.init import Fill, seeded_normal
+from fivefold.models.loss_weight import current_micro_batch_weight
 from fivefold.models.mtp import AttachScaledLoss, MTPLayer, depth_loss
 from fivefold.models.rms_norm import RMSNorm
 
@@ -111,7 +112,7 @@ class DeepseekV3Transformer(Transformer):
             h, normed = layer(h, self.mtp_embeddings(future[..., k - 1].clamp(min=0)), cos, sin, documents)
             loss = depth_loss(self.output(normed), future[..., k])
             layer.record(loss)
-            logits = AttachScaledLoss.apply(logits, loss, self.cfg.mtp_loss_weight / depth * layer.aux_grad_scale)
+            logits = AttachScaledLoss.apply(logits, loss, self.cfg.mtp_loss_weight / depth * current_micro_batch_weight())
         return logits
 
     def rope_frequencies(self) -> torch.Tensor:

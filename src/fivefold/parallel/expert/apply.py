@@ -202,19 +202,10 @@ def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device
     return metrics
 
 
-def set_aux_grad_scale(parts: list[nn.Module], scale: float) -> None:
-    for part in parts:
-        for moe in moe_layers(part):
-            moe.aux_grad_scale = scale
-
-
 class RouterStep(StepHook):
-    """MoE layers in a step: the aux loss weighs like each micro-batch's LM loss (1/n_micro, the
-    pipeline's too); after the optimizer step, the step's load over the global batch moves the
-    balancing biases and gives the router metrics (finish_router_step)."""
-
-    def before_step(self, par, n_micro: int) -> None:
-        set_aux_grad_scale(par.parts, 1.0 / n_micro)
+    """MoE layers in a step: after the optimizer step, the step's load over the global batch moves
+    the balancing biases and gives the router metrics (finish_router_step). The aux loss weighs like
+    each micro-batch's LM loss (models/loss_weight.py, stated by Parallelized.forward_backward)."""
 
     def after_optimizer_step(self, par, optimizer) -> dict:
         return finish_router_step(par.parts, par.dp_cp_group, par.n_micro, par.device)
