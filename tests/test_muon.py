@@ -6,13 +6,11 @@ One 2-rank spawn runs every layout (zero 0/1/2/3 in fp32, zero 1 and 3 in bf16, 
 V), cp2 at zero 1 and 3, MoEs at zero 2, tp2 and ep2), one-step checks tight enough to catch a lost piece of a gathered matrix, and the
 resumes of Muon checkpoints (same layout bit for bit, other layouts within the layout tolerances)."""
 
-import copy
-import dataclasses
 
 import pytest
 import torch
 
-from layouts import assert_same_run, reference, run_layout, tiny_config
+from layouts import assert_resumed_bit_for_bit, assert_same_run, continued, reference, run_layout, tiny_config
 from ranks import run_on_ranks
 
 
@@ -45,6 +43,9 @@ LAYOUTS = {"dp2 zero0": _muon(dp=2, zero=0), "dp2 zero1": _muon(dp=2, zero=1),
            "pp2": _muon(pp=2), "pp2 zbv": _zbv(), "cp2 zero1": _muon(cp=2, zero=1),
            "cp2 zero3": _muon(cp=2, zero=3)}
 SPREAD = {"zero1": _muon(dp=2, zero=1), "tp2": _muon(tp=2), "zero3": _muon(dp=2, zero=3)}
+# How many tensors each layout takes at once (one per owner): under bf16 at dp = 1 the tp-split
+# matrices sit in whole-bucket chunks, and each bucket's matrix has its own of the 2 tp owners.
+WINDOWS = {"zero1": (_muon(dp=2, zero=1), 2), "tp2": (_muon(tp=2), 2), "tp2 bf16": (_muon(dtype="bf16", tp=2), 2)}
 
 
 # Resume: "dp2 zero1" saves at step 2 of 4; the same layout, zero 0, 2 and 3, tp2, pp2, cp2 and one
@@ -63,7 +64,8 @@ def two_ranks(root: str) -> dict:
     saving = {SAVED: root, MOE_SAVED: f"{root}/moe"}
     out = {label: run_layout(_checkpointed(layout, dir=saving[label], every=2) if label in saving else layout)
            for label, layout in LAYOUTS.items()}
-    out["shares"] = {label: _shares(layout) for label, layout in SPREAD.items()}
+    out["shares"] = {label: _shares(layout)[:2] for label, layout in SPREAD.items()}
+    out["windows"] = {label: _shares(layout)[2] for label, (layout, _) in WINDOWS.items()}
     for label, layout in RESUMES.items():
         out[f"resumed {label}"] = run_layout(_checkpointed(layout, resume=f"{root}/step_00000002"))
     out[f"resumed {MOE_RESUME}"] = run_layout(_checkpointed(LAYOUTS[MOE_RESUME], resume=f"{root}/moe/step_00000002"))
@@ -87,8 +89,8 @@ def _short(layout: dict) -> dict:
     return {**layout, "train": {**layout["train"], "steps": 1}}
 
 
-def _shares(layout) -> tuple[list[int], str]:
-    """Each rank's Newton–Schulz flops, and the run log's line that says them."""
+def _shares(layout) -> tuple[list[int], str, int]:
+    """Each rank's Newton–Schulz flops, the run log's line that says them, and the window."""
     from fivefold.train.trainer import setup
 
     from layouts import groups_released
@@ -96,7 +98,7 @@ def _shares(layout) -> tuple[list[int], str]:
     with groups_released():
         _, par = setup(tiny_config(layout))
         muon = par.muon_layout()
-        return muon.shares, muon.describe([])
+        return muon.shares, muon.describe([]), muon.window
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +133,11 @@ def test_matrices_are_spread_evenly_over_the_ranks(runs, label):
     assert runs[1]["shares"][label] == (shares, note)
     assert note.startswith("muon: each matrix orthogonalised once, on one rank of its")
     assert f"GFLOP per step by rank: {shares[0] / 1e9:.3g}, {shares[1] / 1e9:.3g} (largest / mean" in note
+
+
+@pytest.mark.parametrize("label", list(WINDOWS))
+def test_a_window_holds_a_tensor_for_each_owner(runs, label):
+    assert [r["windows"][label] for r in runs] == [WINDOWS[label][1]] * 2
 
 
 def test_the_log_says_the_muon_work_once(capsys):
@@ -194,32 +201,23 @@ def test_a_step_equals_torch_muon_and_adamw(model):
     assert worst <= 1e-6, worst
 
 
-def _continued(reference_run, steps_done: int):
-    """The uninterrupted single-process run from step `steps_done` + 1 on (the tolerance rule's noise kept)."""
-    return dataclasses.replace(reference_run, losses=reference_run.losses[steps_done:],
-                               grad_norms=reference_run.grad_norms[steps_done:])
-
-
 def test_same_layout_resume_is_bit_for_bit(runs):
     """Muon's momentum (and AdamW's moments of the rest) come back exactly: the resumed steps and
     final weights equal the uninterrupted run's bit for bit."""
     for rank, results in enumerate(runs):
-        full, resumed = results[SAVED], results[f"resumed {SAVED}"]
-        assert resumed.losses == full.losses[2:] and resumed.grad_norms == full.grad_norms[2:], f"rank {rank}"
-        for name, tensor in full.weights.items():
-            assert torch.equal(resumed.weights[name], tensor), f"rank {rank}: {name}"
+        assert_resumed_bit_for_bit(results[SAVED], results[f"resumed {SAVED}"], 2, label=f"rank {rank}")
 
 
 @pytest.mark.parametrize("label", [label for label in RESUMES if label != SAVED])
 def test_resume_under_another_zero_stage(runs, label):
     """Resharded into another zero stage: equal to the uninterrupted single process (the harness rule)."""
-    want = _continued(reference(LAYOUTS[SAVED]), 2)
+    want = continued(reference(LAYOUTS[SAVED]), 2)
     for rank, results in enumerate(runs):
         assert_same_run(results[f"resumed {label}"], want, label=f"muon resumed under {label} rank {rank}")
 
 
 def test_moe_resume_under_expert_parallelism(runs):
-    want = _continued(reference(LAYOUTS[MOE_SAVED]), 2)
+    want = continued(reference(LAYOUTS[MOE_SAVED]), 2)
     for rank, results in enumerate(runs):
         assert_same_run(results[f"resumed {MOE_RESUME}"], want, label=f"muon moe resumed under ep2 rank {rank}")
 
@@ -227,7 +225,7 @@ def test_moe_resume_under_expert_parallelism(runs):
 def test_resume_on_one_process(runs, root):
     """dp 2 -> 1: the chunks' momentum read back whole, equal to the uninterrupted single process."""
     got = run_layout(_checkpointed(_muon(), resume=f"{root}/step_00000002"))
-    assert_same_run(got, _continued(reference(LAYOUTS[SAVED]), 2), label="muon resumed on one process")
+    assert_same_run(got, continued(reference(LAYOUTS[SAVED]), 2), label="muon resumed on one process")
 
 
 def test_resume_that_switches_the_optimizer_starts_its_state_afresh(tmp_path, capsys):

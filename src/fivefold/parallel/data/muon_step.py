@@ -11,7 +11,8 @@ A bucket holds Muon's matrices only (buckets never mix optimizer settings). Per 
    of the result (zeros in every other data-parallel rank's buffer);
 4. the buffers are reduce-scattered: each rank receives its chunk of the orthogonalised update.
    Every element has exactly one non-zero addend, so the sums are exact.
-A window of as many buckets as the group has ranks goes through each step together (all gathered,
+A window of as many buckets as they have owners (the group's ranks, times the tp ranks of the
+DTensors in them) goes through each step together (all gathered,
 then each owner's matrices orthogonalised, then all reduced), so the owners work at once instead of
 each bucket's reduce-scatter waiting for its owner (a bucket holds one matrix of a large model).
 The window's whole buckets are held at once.
@@ -61,11 +62,17 @@ class ChunkMatrices:
             self.sharded[id(chunk)] = self._sharded_owners(bucket, sharded, sharded_load)
             bucket.muon_matrices = whole + [(offset + s, offset + e, shape) for param, offset, _ in sharded
                                             for s, e, shape in DTensorMatrices.local_matrices(param)]
-        # A window of as many chunks as the group has ranks: consecutive buckets' owners differ.
-        self.window = max([b.group_size for b in buckets] or [1])
-        plain = [plain_load.get(r, 0) for r in range(self.window)]
+        # A window of as many chunks as a bucket has owners (its group's ranks, times its DTensors'
+        # tp ranks): consecutive buckets' owners differ, and a bucket holding one tp-split matrix
+        # (a large model's) leaves no owner idle, with dp = 1 too.
+        self.window = max([b.group_size * self._tp_ranks(b) for b in buckets] or [1])
+        plain = [plain_load.get(r, 0) for r in range(max([b.group_size for b in buckets] or [1]))]
         self.shares = ([flops + plain[g] for (g, _), flops in sorted(sharded_load.items())] if sharded_load
                        else plain)
+
+    @staticmethod
+    def _tp_ranks(bucket) -> int:
+        return max([p.device_mesh.mesh.numel() for p in bucket.params if isinstance(p, DTensor)] or [1])
 
     @staticmethod
     def _sharded_owners(bucket, sharded, load: dict) -> list:
