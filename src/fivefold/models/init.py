@@ -8,8 +8,8 @@ dims (one index at a time over any leading dims, e.g. experts; TILE_ROWS*TILE_CO
 1-D tensor), and each tile draws from its own generator, seeded by (seed, name, tile index). A
 piece then costs the tiles it overlaps, at most one tile (4 MiB) beyond the piece per tile it cuts.
 
-The first tile's generator is seeded as the whole tensor's generator was before tiling, so tensors
-no larger than one tile (every tiny test model's dense weights) keep their values.
+The first tile's generator is seeded by (seed, name) alone, so a tensor no larger than one tile
+(every tiny test model's dense weights) draws its values from one generator of (seed, name).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ a token of a short reply more than one of a long reply, differently in every lay
 mask each micro-batch's loss is the *sum* over its trained positions times one factor for the whole
 step, (micro-batches · ranks the mean is later taken over) / (trained positions of the global
 batch): the same averaging then yields the global batch's mean over its trained tokens, in every
-layout, with the same gradient arithmetic as before.
+layout, with the gradient arithmetic of plain text.
 
 Both are computed chunk by chunk over the tokens (models/cross_entropy.py): no fp32 copy, log-softmax
 or gradient of the whole micro-batch's logits is ever held, and the gradient is written into the

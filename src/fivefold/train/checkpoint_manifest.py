@@ -6,8 +6,8 @@ and rank 0 gathers them, adds its own small files, and writes the manifest last,
 rename that makes the checkpoint visible. At load every rank checks every file's size and
 checksums its share of the files (file i on rank i mod world), so verifying a checkpoint costs
 one read of it spread over the ranks; the ranks then agree on the first problem found, so all
-of them skip (or refuse) the same checkpoint. Checkpoints written before manifests existed
-carry no `"manifest": true` in state.json and load unverified, as before.
+of them skip (or refuse) the same checkpoint. A checkpoint whose state.json carries no
+`"manifest": true` (written by a version without manifests) loads unverified.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ on the rank that holds the tokens; only `MoE.run_experts` is replaced here. A ca
 4. combine: the reverse all-to-all returns the outputs in the order the rows were sent.
 Both all-to-alls are one autograd function whose backward is the reverse all-to-all, so gradients
 take the same routes back. Expert gradients are then reduced over the expert-data-parallel group
-(parallel/data/: replicate.py, zero.py, fsdp.py), dense ones over dp·cp as before.
+(parallel/data/: replicate.py, zero.py, fsdp.py), dense ones over dp·cp.
 
 Also here: the per-step router bookkeeping (load reduced over dp·cp, and over tp where the tp ranks
 route different slices of the tokens; bias balancing, metrics), which every layout shares.

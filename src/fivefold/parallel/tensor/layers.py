@@ -1,7 +1,7 @@
 """Tensor-parallel layers (blocks, vocab-parallel embedding and output) computing on plain local tensors.
 
 The weights are DTensors, so FSDP2, sharded checkpoints, the gradient norm and the optimizer see
-their layout as before; but forward and backward run on the local shards, with one explicit
+their layout; but forward and backward run on the local shards, with one explicit
 collective at each boundary of the tensor-parallel region (Megatron's layout). Letting DTensor
 propagate shardings through every operator instead cost a tp=2 CPU rank 67 ms per step, and the
 rank ran 1.18x slower (benchmarks/RESULTS.md, run F).
