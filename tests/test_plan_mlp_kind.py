@@ -1,6 +1,6 @@
 """Two-matrix MLPs (GeLU, squared ReLU: GPT-3, Nemotron-4) in the planner, issue 41: model statistics
 with 2 h f MLP parameters are priced as what such an MLP runs and keeps, not as a SwiGLU look-alike:
-two GEMMs (plan/gemm.py mlp_matrices), and activations of the up projection's output and the
+two GEMMs (models/decoder_stats.py ModelStats.mlp_matrices), and activations of the up projection's output and the
 activation's output (plan/activations.py) instead of SwiGLU's gate, up and product."""
 
 from __future__ import annotations

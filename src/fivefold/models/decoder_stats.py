@@ -91,6 +91,13 @@ class ModelStats:
                 + self.replicated_attention_params)
 
     @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of a dense MLP: 3 for SwiGLU (gate, up, down), 2 for GeLU or squared ReLU."""
+        if not self.ffn_dim or not self.dense_mlp_params:
+            return 3
+        return max(2, round(self.dense_mlp_params / (self.dim * self.ffn_dim)))
+
+    @property
     def expert_hidden(self) -> float:
         """The routed experts' hidden width."""
         return self.expert_ffn_dim or self.expert_params / (3 * self.dim)

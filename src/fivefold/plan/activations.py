@@ -27,8 +27,8 @@ the queries and of the attention output (h unless head_dim is explicit, as in Qw
       fp32 copies of q, k, v and the fp32 softmax (heads x every key), and ring attention's plain
       path, under 'selective', its fp32 score tiles
   MLP: gate and up outputs (models/swiglu.py recomputes silu(gate)), silu(gate)·up: 3f/t x A; a
-      two-matrix MLP (GeLU, squared ReLU: stats with 2 h f MLP parameters, plan/gemm.py
-      mlp_matrices) its up projection's output and the activation's: 2f/t x A
+      two-matrix MLP (GeLU, squared ReLU: stats with 2 h f MLP parameters,
+      ModelStats.mlp_matrices) its up projection's output and the activation's: 2f/t x A
   MoE instead (weights replicated over tp, tokens split: each tp rank routes 1/t of them, so
       every term below is /t; the ffn norm's output is then read locally, h/t, not gathered):
       the k dispatched copies of each token, their expert output and
@@ -63,7 +63,6 @@ uses this count in every recipe (it was calibrated with it).
 from __future__ import annotations
 
 from fivefold.plan.branch_split import split_branches
-from fivefold.plan.gemm import mlp_matrices
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import adapter_activation_bytes
@@ -74,7 +73,7 @@ from fivefold.plan.workload import Workload
 
 def gated(stats: ModelStats) -> bool:
     """A gated MLP (SwiGLU: three matrices) rather than a two-matrix one (GeLU, squared ReLU)."""
-    return mlp_matrices(stats) == 3
+    return stats.mlp_matrices == 3
 
 
 def norm_kept(width: float, input_bytes: int, trained: bool = True) -> float:

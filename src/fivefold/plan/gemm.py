@@ -67,13 +67,6 @@ def efficiency(gemms: tuple[Gemm, ...], hw, speedup: float = 1.0, cast_bytes: fl
     return flops / seconds / hw.peak_flops
 
 
-def mlp_matrices(stats) -> int:
-    """Weight matrices of a dense MLP: 3 for SwiGLU (gate, up, down), 2 for GeLU or squared ReLU."""
-    if not stats.ffn_dim or not stats.dense_mlp_params:
-        return 3
-    return max(2, round(stats.dense_mlp_params / (stats.dim * stats.ffn_dim)))
-
-
 @lru_cache(maxsize=8192)
 def layer_gemms(stats, moe: bool, tokens: float, tp: int, ep: int) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...]]:
     """(dense-projection GEMMs, expert GEMMs) of one layer for `tokens` rows on one tp rank.
@@ -87,7 +80,7 @@ def layer_gemms(stats, moe: bool, tokens: float, tp: int, ep: int) -> tuple[tupl
              Gemm(tokens, stats.v_dim / tp, h), Gemm(tokens, h, stats.o_dim / tp)]
     experts: list[Gemm] = []
     if not moe:
-        up = mlp_matrices(stats) - 1
+        up = stats.mlp_matrices - 1
         dense += [Gemm(tokens, stats.ffn_dim / tp, h, count=up), Gemm(tokens, h, stats.ffn_dim / tp)]
     else:
         rows = tokens / tp

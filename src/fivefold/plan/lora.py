@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fivefold.config.lora import parse_targets
-from fivefold.plan.block_matrices import COLS, ROWS, BlockMatrix, block_matrices
+from fivefold.models.block_weights import COLS, ROWS
+from fivefold.plan.block_matrices import BlockMatrix, block_matrices
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
 from fivefold.plan.schedule import PipelineRank
