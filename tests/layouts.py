@@ -129,9 +129,14 @@ def groups_released():
         yield
     finally:
         torch_internals.forget_dtensor_shardings()  # its cached specs name the groups destroyed below
-        for group in torch_internals.process_groups():
-            if group not in before:
-                dist.destroy_process_group(group)
+        made = [group for group in torch_internals.process_groups() if group not in before]
+        if made:
+            # Every rank done with the groups before any closes their sockets: a socket closed while
+            # a peer's gloo thread still reads or writes on it fails that thread, and gloo aborts
+            # the process from there (SIGABRT, no traceback).
+            dist.barrier()
+        for group in made:
+            dist.destroy_process_group(group)
 
 
 def run_layout(overrides: dict) -> Run:

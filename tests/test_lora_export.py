@@ -65,24 +65,31 @@ def _trained(tmp, kind: str, targets: str) -> dict:
     return {"base": folder, "ckpt": str(tmp / "ckpt"), "peft": str(tmp / "peft"), "tmp": tmp, "run": run}
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return _trained(tmp_path_factory.mktemp("lora_llama"), "llama", "attention|mlp")
+# The runs the tests read, each trained once per module on first use: kind -> its lora.targets.
+TARGETS = {"llama": "attention|mlp", "mixtral": "attention|experts", "seeded": "attention|mlp",
+           "qwen3_moe": "attention|experts"}
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    return _trained(tmp_path_factory.mktemp("lora_mixtral"), "mixtral", "attention|experts")
+def trained(tmp_path_factory):
+    runs = {}
+
+    def run(kind: str) -> dict:
+        if kind not in runs:
+            runs[kind] = _trained(tmp_path_factory.mktemp(f"lora_{kind}"), kind, TARGETS[kind])
+        return runs[kind]
+
+    return run
 
 
-@pytest.fixture(scope="module")
-def seeded(tmp_path_factory):
-    return _trained(tmp_path_factory.mktemp("lora_seeded"), "seeded", "attention|mlp")
+@pytest.fixture
+def llama(trained):
+    return trained("llama")
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory):
-    return _trained(tmp_path_factory.mktemp("lora_qwen3_moe"), "qwen3_moe", "attention|experts")
+@pytest.fixture
+def mixtral(trained):
+    return trained("mixtral")
 
 
 def _tokens():
@@ -104,8 +111,8 @@ def _base(folder):
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen3_moe"])
-def test_peft_loads_the_exported_adapter(kind, request):
-    run = request.getfixturevalue(kind)
+def test_peft_loads_the_exported_adapter(kind, trained):
+    run = trained(kind)
     written = json.loads((run["tmp"] / "peft" / "adapter_config.json").read_text())
     assert written["peft_type"] == "LORA" and written["r"] == 4 and written["lora_alpha"] == 8.0
     assert written["base_model_name_or_path"] == run["base"]
@@ -128,10 +135,10 @@ def test_the_export_names_the_modules_as_peft_does(llama, mixtral):
 
 
 @pytest.mark.parametrize("kind", ["llama", "seeded"])
-def test_the_adapted_model_is_the_run_s_final_model(kind, request):
+def test_the_adapted_model_is_the_run_s_final_model(kind, trained):
     """Every weight the run ended with, bit for bit: the base read again (from the folder, or drawn
     again from the seed) and the adapters read from the checkpoint."""
-    run = request.getfixturevalue(kind)
+    run = trained(kind)
     loaded = fivefold.load_pretrained(run["ckpt"]).state_dict()
     assert set(run["run"].weights) <= set(loaded)
     for name, want in run["run"].weights.items():
@@ -139,8 +146,8 @@ def test_the_adapted_model_is_the_run_s_final_model(kind, request):
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral", "seeded"])
-def test_merged_folder_equals_the_adapted_model(kind, request):
-    run = request.getfixturevalue(kind)
+def test_merged_folder_equals_the_adapted_model(kind, trained):
+    run = trained(kind)
     merged = run["tmp"] / "merged"
     if not merged.exists():
         assert "merged into it" in convert(run["ckpt"], merged, merge=True)
@@ -149,8 +156,8 @@ def test_merged_folder_equals_the_adapted_model(kind, request):
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
-def test_load_pretrained_reads_the_peft_folder(kind, request):
-    run = request.getfixturevalue(kind)
+def test_load_pretrained_reads_the_peft_folder(kind, trained):
+    run = trained(kind)
     with torch.no_grad():
         back = fivefold.load_pretrained(run["peft"]).eval()(_tokens())
     diff = (back - _ours(run["ckpt"])).abs().max().item()

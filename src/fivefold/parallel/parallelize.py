@@ -57,7 +57,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: Config, device: torch
         pipeline.build_schedule(cfg, loss_fn)
     return Parallelized(parts, dims, mesh, data_parallel, n_params, loss_parallel=dims.tp > 1, device=device,
                         pipeline=pipeline, mtp_depth=cfg.model.mtp_depth, tied_group=tied_group,
-                        step_hooks=step_hooks(parts, cfg), loss_fn=loss_fn, compiling=compiling)
+                        step_hooks=step_hooks(parts, cfg, mesh["tp"] if dims.tp > 1 else None), loss_fn=loss_fn, compiling=compiling)
 
 
 def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: ParallelDims, mesh,
@@ -108,11 +108,11 @@ def shard_and_materialize(parts: list[nn.Module], dims: ParallelDims, mesh, cfg:
     return data_parallel
 
 
-def step_hooks(parts: list[nn.Module], cfg: Config) -> list[StepHook]:
+def step_hooks(parts: list[nn.Module], cfg: Config, tp_mesh=None) -> list[StepHook]:
     """What the features of this model add to each step, in the order they run after it."""
     hooks: list[StepHook] = []
     if any(True for part in parts for _ in moe_layers(part)):
-        hooks.append(RouterStep())
+        hooks.append(RouterStep(tp_mesh.get_group() if tp_mesh is not None else None))
     if replica_slots(parts):
         hooks.append(ReplicaStep(cfg.parallel.ep_rebalance_every))
     if cfg.model.mtp_depth:

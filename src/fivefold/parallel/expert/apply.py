@@ -38,7 +38,6 @@ from torch.distributed.tensor import DTensor
 from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.expert.replicas import ReplicaSlots, rank_loads
 from fivefold.parallel.step_hooks import StepHook
-from fivefold.parallel.tensor.apply import SLICE_GROUP
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -145,7 +144,7 @@ def gather_experts(name: str, tensor: torch.Tensor, ep_mesh) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device: torch.device) -> dict:
+def finish_router_step(parts: list[nn.Module], slice_group, dp_cp_group, n_micro: int, device: torch.device) -> dict:
     """After a step: the load each MoE layer saw over the whole global batch (its `n_micro`
     micro-batches here, summed over dp·cp), the bias update of bias balancing from it, and the
     router metrics: totals over the layers (`moe_tokens_per_expert`, `moe_imbalance` = the worst
@@ -167,8 +166,7 @@ def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device
     packed = torch.cat([torch.stack(loads).flatten(), torch.tensor([float(s.dropped) for s in stats]),
                         torch.tensor(aux, dtype=torch.float64)])
     ranks = 1
-    slice_group = getattr(layers[0], SLICE_GROUP, None)  # tp ranks routing slices of the same tokens
-    if slice_group is not None:
+    if slice_group is not None:  # tp ranks routing slices of the same tokens
         ranks = dist.get_world_size(slice_group)
         packed = all_reduce_scalars(packed, slice_group, device)
     if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
@@ -205,7 +203,12 @@ def finish_router_step(parts: list[nn.Module], dp_cp_group, n_micro: int, device
 class RouterStep(StepHook):
     """MoE layers in a step: after the optimizer step, the step's load over the global batch moves
     the balancing biases and gives the router metrics (finish_router_step). The aux loss weighs like
-    each micro-batch's LM loss (models/loss_weight.py, stated by Parallelized.forward_backward)."""
+    each micro-batch's LM loss (models/loss_weight.py, stated by Parallelized.forward_backward).
+    `slice_group`: the tp ranks that route slices of the same tokens (their MoE layers run whole
+    on each, parallel/tensor/apply.py), or None."""
+
+    def __init__(self, slice_group=None):
+        self.slice_group = slice_group
 
     def after_optimizer_step(self, par, optimizer) -> dict:
-        return finish_router_step(par.parts, par.dp_cp_group, par.n_micro, par.device)
+        return finish_router_step(par.parts, self.slice_group, par.dp_cp_group, par.n_micro, par.device)

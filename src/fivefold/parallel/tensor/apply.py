@@ -30,7 +30,6 @@ from fivefold.parallel.tensor.layers import (ColumnParallelLinear, HeadSplitValu
 
 # The attribute of an MoE layer holding its tp process group when its tokens are split over tp
 # (read by parallel/expert/apply.py to sum router statistics).
-SLICE_GROUP = "slice_group"
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, cfg_model, tp_mesh, sequence_parallel: bool,
@@ -114,7 +113,7 @@ def _replicate_moe(moe: nn.Module, group: TensorParallelGroup) -> None:
     then spans the tp ranks holding the same experts, sums their partial gradients.
     Per-sequence decisions (capacity priority, the auxiliary loss) are taken on the whole
     sequence through the MoE's slice hooks (models/moe.py); router statistics are summed over tp
-    in expert.finish_router_step (`SLICE_GROUP`)."""
+    in expert.finish_router_step (parallelize.py gives its step hook the tp group)."""
     moe.router.gate = PartialGradLinear(moe.router.gate, group)
     if moe.shared is not None:  # every projection of the shared experts
         for name, layer in list(moe.shared.named_children()):
@@ -123,7 +122,6 @@ def _replicate_moe(moe: nn.Module, group: TensorParallelGroup) -> None:
                 carry_adapter(layer, getattr(moe.shared, name), TP.REPLICATED_PARTIAL, group)
     moe.experts = PartialGradExperts(moe.experts, group)
     moe.split_sequences(into_slices=SequenceSlices(group))
-    setattr(moe, SLICE_GROUP, group.mesh.get_group())
     if not group.sequence_parallel:
         moe.register_forward_pre_hook(lambda module, args: (_KeepSlice.apply(args[0], group), *args[1:]))
         moe.register_forward_hook(lambda module, args, out: _GatherSlices.apply(out, group))
