@@ -39,6 +39,43 @@ def test_the_planned_adapters_are_the_built_models(preset, targets):
     assert sum(adapter_param_counts(workload.stats, Layout(), rank, workload.lora)) == built > 0
 
 
+
+@pytest.mark.parametrize("preset, targets", [
+    ("tiny", "attention|mlp"), ("tiny-moe", "attention|mlp|experts"), ("tiny-deepseek-v3", "attention|mlp|experts"),
+    ("tiny-qwen3", r"re:attention\.w[qv]"),
+])
+def test_lora_model_flops_leave_out_the_frozen_base_weight_gradients(preset, targets, tmp_path):
+    """MFU under LoRA (models/decoder_stats.py lora_flops_per_token): 4 FLOPs per frozen weight
+    (forward, input gradient), 6 per adapter weight a token passes through, the routed experts'
+    for the top_k it visits. The adapters counted are the built model's; the trainer's reported MFU
+    and the planner's predicted one use that count."""
+    from fivefold.models import build_meta_model
+    from fivefold.models.block_weights import adapter_params_per_token
+    from fivefold.models.lora import is_adapter
+    from fivefold.train.trainer import train
+
+    cfg = load_config(None, ["--model.preset", preset, "--lora.rank", "4", "--lora.targets", targets])
+    stats = workload_from_config(cfg).stats
+    built = dict(build_meta_model(cfg.model, cfg.lora).named_parameters())
+    routed = sum(p.numel() for n, p in built.items() if is_adapter(n) and ".experts." in n)
+    dense = sum(p.numel() for n, p in built.items() if is_adapter(n)) - routed
+    per_token = adapter_params_per_token(stats, 4, targets)
+    assert per_token == dense + routed * stats.top_k / max(stats.n_experts, 1) > 0
+    full = stats.flops_per_token(64)
+    assert stats.lora_flops_per_token(64, per_token) == full - 2 * stats.active_params + 6 * per_token
+
+    run = load_config(None, {"model": {"preset": preset}, "lora": {"rank": 4, "targets": targets},
+                             "train": {"steps": 1, "seq_len": 64, "global_batch": 2},
+                             "cluster": {"peak_tflops": 1.0}, "data": {"builtin_max_bytes": 100_000},
+                             "log": {"progress": False, "dir": str(tmp_path)}})
+    record = train(run).records[0]
+    want = record["tokens_per_sec"] * stats.lora_flops_per_token(64, per_token) / 1e12
+    assert record["mfu"] == pytest.approx(want, rel=1e-9)
+    hw = hardware_for("h100")
+    plan = estimate(workload_from_config(run), Layout(), hw, runtime_for())
+    assert plan.mfu == pytest.approx(plan.tokens_per_sec_per_gpu * stats.lora_flops_per_token(64, per_token)
+                                     / hw.peak_flops, rel=1e-9)
+
 # One rank built for real under a fake process group (as `fivefold layout --build`), reporting its
 # gradient and optimizer bytes (tools/rank_build.py) and the bytes of every parameter it holds,
 # frozen ones included (the build's own report counts the trained ones only).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fivefold.config.lora import parse_targets
 from fivefold.models.decoder_stats import ModelStats
 
 # The axis of a matrix that runs over heads or hidden units: its rows (q, k, v, an MLP's gate and up
@@ -63,3 +64,15 @@ def block_weights(stats: ModelStats, layer: int) -> tuple[BlockWeight, ...]:
         out += [BlockWeight(f"feed_forward.shared.{name}.weight", shape, "mlp", axis, in_moe=True)
                 for name, shape, axis in (("w1", (width, h), ROWS), ("w2", (h, width), COLS), ("w3", (width, h), ROWS))]
     return tuple(out)
+
+
+def adapter_params_per_token(stats: ModelStats, rank: int, targets: str) -> float:
+    """LoRA adapter parameters one token passes through: A (rank x in) and B (out x rank) beside
+    each matrix lora.targets selects (config/lora.py), the routed experts' for the top_k a token
+    visits. Multi-token prediction's blocks count like the layers."""
+    chosen, total = parse_targets(targets), 0.0
+    for layer in range(stats.n_layers + stats.mtp_depth):
+        for w in block_weights(stats, layer):
+            if chosen.selects(f"layers.{layer}.{w.name}", w.kind):
+                total += (stats.top_k if w.stacked else 1) * rank * (w.shape[0] + w.shape[1])
+    return total

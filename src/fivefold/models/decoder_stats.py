@@ -188,10 +188,20 @@ class ModelStats:
         attention = sum(self.layer_attention_flops_per_token(i, seq_len) for i in range(self.n_layers + self.mtp_depth))
         return 6.0 * self.active_params + attention + self.mtp_depth * self.output_flops_per_token
 
-    def mfu(self, seq_len: int, tokens_per_sec_per_device: float, peak_flops: float) -> float:
+    def lora_flops_per_token(self, seq_len: int, adapter_params_per_token: float) -> float:
+        """A LoRA run's model FLOPs per token: the frozen base runs forward and passes gradients
+        back (4 per weight: forward and input gradient) but makes no weight gradient, and the
+        adapters a token passes through train (6 per weight; models/block_weights.py counts them)."""
+        return self.flops_per_token(seq_len) - 2.0 * self.active_params + 6.0 * adapter_params_per_token
+
+    def mfu(self, seq_len: int, tokens_per_sec_per_device: float, peak_flops: float,
+            adapter_params_per_token: float | None = None) -> float:
         """Model FLOPs utilisation: the share of a device's peak that this throughput's model FLOPs
-        are. The one formula of the trainer's reported MFU and the planner's predicted one."""
-        return tokens_per_sec_per_device * self.flops_per_token(seq_len) / peak_flops
+        are. The one formula of the trainer's reported MFU and the planner's predicted one; under
+        LoRA (`adapter_params_per_token` given) the FLOPs a frozen base needs, lora_flops_per_token."""
+        flops = (self.flops_per_token(seq_len) if adapter_params_per_token is None
+                 else self.lora_flops_per_token(seq_len, adapter_params_per_token))
+        return tokens_per_sec_per_device * flops / peak_flops
 
     @property
     def output_flops_per_token(self) -> float:

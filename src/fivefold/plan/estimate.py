@@ -27,6 +27,7 @@ from fivefold.plan.layout import Layout
 from fivefold.plan.activations import keeps_gathered, rank_activation_elements
 from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_param_counts, root_params,
                                   worst_rank_memory)
+from fivefold.models.block_weights import adapter_params_per_token
 from fivefold.plan.lora import adapter_param_counts, backward_share, matmul_share
 from fivefold.plan.muon import muon_step
 from fivefold.plan.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
@@ -325,7 +326,9 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                 key=lambda s: s.seconds) if workload.muon else None)
     step = pipe_time + dp_visible + optim_time + latent_t + (muon.seconds if muon else 0.0)
     tok_s_gpu = workload.tokens_per_step / step / layout.world_size
-    mfu = stats.mfu(workload.seq_len, tok_s_gpu, hw.peak_flops)
+    mfu = stats.mfu(workload.seq_len, tok_s_gpu, hw.peak_flops,
+                    adapter_params_per_token(stats, workload.lora.rank, workload.lora.targets)
+                    if workload.lora.rank else None)
     parts = {k: m * v for k, v in worst.items()}
     parts.update({"bubble": slots * t_mb, "dp": dp_visible, "optimizer": optim_time})
     parts["tp"] += latent_t

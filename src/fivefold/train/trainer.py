@@ -19,6 +19,7 @@ import torch
 from fivefold.config import Config, micro_batches
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
+from fivefold.models.block_weights import adapter_params_per_token
 from fivefold.models.lora import adapter_initial_values, describe_adapters
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
@@ -215,6 +216,9 @@ class StepRecords:
         self.held_out, self.sampler = held_out, sampler
         self.stats = model_stats(cfg.model)  # MFU: the planner's formula, active parameters for MoE
         self.peak = peak_flops(rt.device, cfg.train.dtype, cfg.cluster.peak_tflops)
+        # LoRA: the frozen base makes no weight gradients (models/decoder_stats.py lora_flops_per_token).
+        self.adapters = (adapter_params_per_token(self.stats, cfg.lora.rank, cfg.lora.targets)
+                         if cfg.lora.rank else None)
         self.compile_clock = CompileClock() if par.compiling.compile else None
         self.non_finite = NonFiniteSteps(cfg.train.max_bad_steps, rt.is_main)
         self.dead_experts = DeadExpertWatch(cfg.log.dead_expert_steps)
@@ -235,7 +239,8 @@ class StepRecords:
             "step": step + 1, "loss": loss_value, "grad_norm": grad_norm,
             "lr": t.lr * lr_multiplier(step, t),  # the base lr: groups may scale it (train.param_groups)
             "tokens_per_sec": world_tokens_per_sec,
-            "mfu": self.stats.mfu(t.seq_len, world_tokens_per_sec / rt.world_size, self.peak) if self.peak else None,
+            "mfu": (self.stats.mfu(t.seq_len, world_tokens_per_sec / rt.world_size, self.peak, self.adapters)
+                    if self.peak else None),
             "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
             **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
             # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops; MTP: mtp_loss (not in `loss`)
