@@ -75,7 +75,7 @@ def parse(text: str) -> list[Group]:
             unknown = [k for k in kinds if k not in KINDS]
             if unknown:
                 refuse(text, f"'{unknown[0]}' is not a parameter kind (kinds: {', '.join(KINDS)}; "
-                              "or select by name with re:PATTERN)")
+                             "or select by name with re:PATTERN)")
         keys = []
         for item in (s.strip() for s in settings.split(",")):
             key, eq, value = (part.strip() for part in item.partition("="))

@@ -22,8 +22,9 @@ no target, so this is (seq_len - k)/seq_len of a mean over the others).
 
 As for the MoE auxiliary loss (models/moe.py), the MTP loss reaches the gradients through an autograd
 function on the main logits: identity forward, and in backward the loss gets the gradient
-`mtp_loss_weight / D` times the micro-batch's weight in its step (models/loss_weight.py). The LM loss the trainer reports stays the LM loss; the MTP
-loss of each forward that counts (not evaluation, not a recomputation) is recorded for the metrics.
+`mtp_loss_weight / D` times the micro-batch's weight in its step (models/loss_weight.py). The LM
+loss the trainer reports stays the LM loss; the MTP loss of each forward that counts (not
+evaluation, not a recomputation) is recorded for the metrics.
 """
 
 from __future__ import annotations

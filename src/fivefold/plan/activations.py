@@ -27,8 +27,8 @@ the queries and of the attention output (h unless head_dim is explicit, as in Qw
       fp32 copies of q, k, v and the fp32 softmax (heads x every key), and ring attention's plain
       path, under 'selective', its fp32 score tiles
   MLP: gate and up outputs (models/swiglu.py recomputes silu(gate)), silu(gate)·up: 3f/t x A; a
-      two-matrix MLP (GeLU, squared ReLU: stats with 2 h f MLP parameters,
-      ModelStats.mlp_matrices) its up projection's output and the activation's: 2f/t x A
+      two-matrix MLP (GeLU, squared ReLU: stats with 2 h f MLP parameters, ModelStats.mlp_matrices)
+      its up projection's output and the activation's: 2f/t x A
   MoE instead (weights replicated over tp, tokens split: each tp rank routes 1/t of them, so
       every term below is /t; the ffn norm's output is then read locally, h/t, not gathered):
       the k dispatched copies of each token, their expert output and

@@ -144,7 +144,7 @@ def without_ignored(layout: Layout) -> Layout:
 
 def _schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
     """(pp_schedule, pp_virtual) pairs to try: two stages per rank for the schedules that need
-    them (fivefold.configure.validate's rule; one for plan/stage_split.py's SINGLE_STAGE_SCHEDULES),
+    them (fivefold.configure.validate's rule; one for config/schedules.py's SINGLE_STAGE_SCHEDULES),
     unless pp_virtual is fixed."""
     if pp == 1:
         return [(fixed.get("pp_schedule", "1f1b"), fixed.get("pp_virtual", 1))]

@@ -112,7 +112,8 @@ class DeepseekV3Transformer(Transformer):
             h, normed = layer(h, self.mtp_embeddings(future[..., k - 1].clamp(min=0)), cos, sin, documents)
             loss = depth_loss(self.output(normed), future[..., k])
             layer.record(loss)
-            logits = AttachScaledLoss.apply(logits, loss, self.cfg.mtp_loss_weight / depth * current_micro_batch_weight())
+            weight = self.cfg.mtp_loss_weight / depth * current_micro_batch_weight()
+            logits = AttachScaledLoss.apply(logits, loss, weight)
         return logits
 
     def rope_frequencies(self) -> torch.Tensor:

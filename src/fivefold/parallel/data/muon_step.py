@@ -12,9 +12,9 @@ A bucket holds Muon's matrices only (buckets never mix optimizer settings). Per 
 4. the buffers are reduce-scattered: each rank receives its chunk of the orthogonalised update.
    Every element has exactly one non-zero addend, so the sums are exact.
 A window of as many buckets as they have owners (the group's ranks, times the tp ranks of the
-DTensors in them) goes through each step together (all gathered,
-then each owner's matrices orthogonalised, then all reduced), so the owners work at once instead of
-each bucket's reduce-scatter waiting for its owner (a bucket holds one matrix of a large model).
+DTensors in them) goes through each step together (all gathered, then each owner's matrices
+orthogonalised, then all reduced), so the owners work at once instead of each bucket's
+reduce-scatter waiting for its owner (a bucket holds one matrix of a large model).
 The window's whole buckets are held at once.
 Owners are chosen greedily, largest matrix first, to the least loaded rank by Newton–Schulz
 flops, the same on every rank (`shares` says each rank's part). Zero 0 and dp = 1 under bf16
