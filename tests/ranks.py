@@ -5,9 +5,9 @@ died without a word (killed by a signal, e.g. out of memory) before any other, e
 traceback; the others' first lines follow (their "connection closed by peer" is usually the echo of
 the first failure, not its cause). A rank that dies without a word reports what it wrote to stderr
 last and, from faulthandler, the Python stack of each of its threads when it died (a C++ abort, such
-as gloo's on mismatched collectives, otherwise leaves nothing to go on). A rank that does not finish within the timeout fails the test
-(all ranks are killed) instead of hanging the suite. `fn` must be defined at module level (it is
-sent to the ranks by reference).
+as gloo's from one of its threads, otherwise leaves nothing to go on). A rank that does not finish
+within the timeout fails the test (all ranks are killed) instead of hanging the suite. `fn` must be
+defined at module level (it is sent to the ranks by reference).
 """
 
 from __future__ import annotations
