@@ -81,7 +81,7 @@ def apply_dimensions(part: nn.Module, spec: ModelSpec, cfg: Config, dims: Parall
         freeze_all_but_adapters(part)
     apply_recompute(part.layers, cfg.train.recompute, lambda index: spec.block_plan(cfg.model, index),
                     stream_split=dims.tp if dims.tp > 1 and cfg.parallel.sp else 1,
-                    compute_bytes=2 if cfg.train.dtype == "bf16" else 4)
+                    compute_bytes=2 if cfg.train.dtype == "bf16" else 4, low_rank=cfg.lora.rank)
     if compile_blocks:  # one graph per block kind: identical blocks share it (plan/compile_choice.py)
         for block in part.layers.values():
             block.compile()

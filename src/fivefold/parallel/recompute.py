@@ -2,7 +2,8 @@
 
 `full` keeps only each block's input and recomputes the whole block in backward. `selective`
 keeps the outputs of matrix multiplies and attention (expensive to redo) and recomputes the cheap
-elementwise work (norms, RoPE, SiLU), which holds most of the activation bytes. It checkpoints each
+elementwise work (norms, RoPE, SiLU), which holds most of the activation bytes; under LoRA it also
+recomputes each adapter's up-projection B (A x) from the kept A x (rank/in of its layer's matmul). It checkpoints each
 residual branch of a block on its own (the block names them in `residual_branches`), keeping the
 stream between them, and keeps the inputs of each branch's output projection (the tensor-parallel
 plan's row-split modules) rather than its output: that output, whole-sequence partial sums under
@@ -38,12 +39,40 @@ if has_aten_op("_grouped_mm"):  # the experts' matmuls (models/moe.py)
 _SAVE_WHOLE = _SAVE | {torch.ops.fivefold.stream_projection.default}
 
 
+# Matmuls whose first operand's last dimension is the one they contract over.
+_LINEAR = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+if has_aten_op("_grouped_mm"):
+    _LINEAR.add(aten_op("_grouped_mm").default)
+
+
+def _low_rank_up(op, args, low_rank: int) -> bool:
+    """A LoRA adapter's up-projection B (A x): a matmul contracting over at most the adapters' rank.
+    Redone in backward from the kept A x, it costs rank/in of its layer's matmul, where keeping it
+    would keep a tensor as wide as the layer's output."""
+    if not low_rank or op not in _LINEAR:
+        return False
+    first = args[1] if op is torch.ops.aten.addmm.default else args[0]
+    return first.shape[-1] <= low_rank
+
+
 def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_WHOLE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _branch_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _adapted_selective_policy(low_rank, ctx, op, *args, **kwargs):
+    if _low_rank_up(op, args, low_rank):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return _selective_policy(ctx, op, *args, **kwargs)
+
+
+def _adapted_branch_policy(low_rank, ctx, op, *args, **kwargs):
+    if _low_rank_up(op, args, low_rank):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return _branch_policy(ctx, op, *args, **kwargs)
 
 
 # One wrapper per mode. torch.compile of a block (train.compile) traces through them, and dynamo
@@ -70,12 +99,30 @@ def _recomputed_branch(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
+# Under LoRA (`low_rank`: lora.rank), the same with the adapters' up-projections recomputed.
+def _recomputed_adapted_selective(low_rank, forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    policy = functools.partial(_adapted_selective_policy, low_rank)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _recomputed_adapted_branch(low_rank, forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    policy = functools.partial(_adapted_branch_policy, low_rank)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
 def apply_recompute(blocks: nn.ModuleDict, mode: str, block_plan=lambda index: {}, stream_split: int = 1,
-                    compute_bytes: int = 4) -> None:
+                    compute_bytes: int = 4, low_rank: int = 0) -> None:
     """Wrap each block for `mode`. `block_plan(index)` is the tensor-parallel plan of block `index`
     (module path -> style), which names the output projections; stream_split and compute_bytes
     (the ranks sharing the stream's tokens, the autocast dtype's size) decide whether the branches
-    are checkpointed apart (plan/branch_split.py)."""
+    are checkpointed apart (plan/branch_split.py). `low_rank` (lora.rank, 0 without LoRA): under
+    selective recomputation the adapters' up-projections are redone, not kept."""
     if mode == "none":
         return
     for index, block in blocks.items():
@@ -91,9 +138,12 @@ def apply_recompute(blocks: nn.ModuleDict, mode: str, block_plan=lambda index: {
             for projection in projections:
                 _keep_projection_inputs(projection)
             for name in branches:
-                setattr(block, name, functools.partial(_recomputed_branch, getattr(block, name)))
+                branch = getattr(block, name)
+                setattr(block, name, functools.partial(_recomputed_adapted_branch, low_rank, branch) if low_rank
+                        else functools.partial(_recomputed_branch, branch))
         else:  # one region: the projections' outputs are kept (the policy saves every matmul's)
-            block.forward = functools.partial(_recomputed_selective, block.forward)
+            block.forward = (functools.partial(_recomputed_adapted_selective, low_rank, block.forward) if low_rank
+                             else functools.partial(_recomputed_selective, block.forward))
 
 
 def _local_shape(weight) -> tuple[int, int]:

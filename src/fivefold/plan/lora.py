@@ -13,8 +13,9 @@ whole on every tp rank both are whole. Under ep the stacks are sliced with their
 Activations, per adapted matrix and token (models/lora.py: y = W x + s B A dropout(x)): without
 recomputation B keeps its input A x (r wide; A's input is W's, kept already); a dropout (p > 0)
 keeps the dropped copy of x and its mask (1 byte per element); selective recomputation
-(parallel/recompute.py) keeps every matmul's output, A x and B A x (out wide, B's rows split like
-W's); full recomputation keeps nothing more than the block input. Experts' adapters see each
+(parallel/recompute.py) keeps A x too, and redoes B (A x) in backward rather than keep a tensor as
+wide as W's output (it costs r/in of W's matmul); full recomputation keeps nothing more than the
+block input. Experts' adapters see each
 token's top_k copies, and an MoE layer's matmuls 1/tp of the tokens (parallel/tensor/apply.py).
 What only a weight's gradient reads is no longer kept (plan/activations.py): the frozen output
 layer's input, an fp32 norm's x·rstd. On the tiny model (one process, tests/test_plan_lora.py)
@@ -98,8 +99,8 @@ def adapter_activation_bytes(stats: ModelStats, layer: int, layout: Layout, reco
         # Rows each adapter sees per token of the micro-batch: an expert's, each token's top_k
         # copies; an MoE layer's, 1/tp of the tokens; attention's and a dense MLP's, every token.
         rows = stats.top_k / t if m.expert else (1 / t if stats.is_moe(layer) and m.kind == "mlp" else 1.0)
-        if recompute == "selective":
-            kept = (lora.rank + out / (t if m.split == ROWS else 1)) * act_bytes
+        if recompute == "selective":  # A x; B (A x) is redone from it (parallel/recompute.py)
+            kept = lora.rank * act_bytes
         else:
             kept = lora.rank * act_bytes
             if lora.dropout:
