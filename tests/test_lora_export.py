@@ -3,8 +3,9 @@ transformers-made folder (`model.init_from`) exports a PEFT adapter folder (`che
 that `peft` loads onto the transformers base, `fivefold convert --merge` writes the merged model
 that transformers loads, and `fivefold.load_pretrained` / `fivefold generate` read the LoRA
 checkpoint itself: every logit within 1e-5 (fp32) of fivefold's adapted model of the final
-checkpoint, and greedy tokens equal. Llama (every attention and MLP projection) and Mixtral (the
-experts' adapters, one per expert in PEFT's names)."""
+checkpoint, and greedy tokens equal. Llama and Qwen3 (every attention and MLP projection; Qwen3's
+q/k norms beside the adapted projections), Mixtral and Qwen3-MoE (the experts' adapters, one per
+expert in PEFT's names)."""
 
 import json
 
@@ -51,6 +52,9 @@ def _folder(path, kind: str) -> str:
         config = transformers.Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
                                              head_dim=16, rope_theta=1e6)
         _decisive(transformers.Qwen3MoeForCausalLM(config)).save_pretrained(path)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**SHAPE, head_dim=16, rope_theta=1e6)
+        transformers.Qwen3ForCausalLM(config).save_pretrained(path)
     else:
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_theta=10000.0)).save_pretrained(path)
     return str(path)
@@ -67,7 +71,7 @@ def _trained(tmp, kind: str, targets: str) -> dict:
 
 # The runs the tests read, each trained once per module on first use: kind -> its lora.targets.
 TARGETS = {"llama": "attention|mlp", "mixtral": "attention|experts", "seeded": "attention|mlp",
-           "qwen3_moe": "attention|experts"}
+           "qwen3_moe": "attention|experts", "qwen3": "attention|mlp"}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +114,7 @@ def _base(folder):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen3_moe", "qwen3"])
 def test_peft_loads_the_exported_adapter(kind, trained):
     run = trained(kind)
     written = json.loads((run["tmp"] / "peft" / "adapter_config.json").read_text())
