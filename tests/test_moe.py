@@ -107,7 +107,7 @@ def test_first_grouped_mm_inside_selective_recomputation():
           ((HIDDEN, DIM), (DIM, HIDDEN), (HIDDEN, DIM))]
     counts = [5, 0, 6, 2]
     moe_module._grouped_mm_works.cache_clear()
-    out = _recomputed_selective(lambda x: moe_module.grouped_swiglu(x, *ws, counts), x)
+    out = _recomputed_selective(True, 0, lambda x: moe_module.grouped_swiglu(x, *ws, counts), x)
     upstream = torch.randn(out.shape, generator=gen)
     recomputed = torch.autograd.grad(out, [x, *ws], upstream)
     plain = torch.autograd.grad(looped_swiglu(x, *ws, counts), [x, *ws], upstream)

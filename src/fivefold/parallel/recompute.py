@@ -55,64 +55,29 @@ def _low_rank_up(op, args, low_rank: int) -> bool:
     return first.shape[-1] <= low_rank
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_WHOLE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _branch_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _adapted_selective_policy(low_rank, ctx, op, *args, **kwargs):
-    if _low_rank_up(op, args, low_rank):
+def _policy(whole: bool, low_rank: int, ctx, op, *args, **kwargs):
+    """Selective recomputation: keep the matmuls' and attention's outputs (a block checkpointed
+    whole, `whole`, its output projections' too), redo the rest and, under LoRA (`low_rank`:
+    lora.rank, 0 without), the adapters' up-projections."""
+    if op not in (_SAVE_WHOLE if whole else _SAVE) or _low_rank_up(op, args, low_rank):
         return CheckpointPolicy.PREFER_RECOMPUTE
-    return _selective_policy(ctx, op, *args, **kwargs)
+    return CheckpointPolicy.MUST_SAVE
 
 
-def _adapted_branch_policy(low_rank, ctx, op, *args, **kwargs):
-    if _low_rank_up(op, args, low_rank):
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return _branch_policy(ctx, op, *args, **kwargs)
-
-
-# One wrapper per mode. torch.compile of a block (train.compile) traces through them, and dynamo
-# (torch 2.13) accepts checkpoint()'s context_fn only when it is absent or a functools.partial built
-# inside the traced code; a function passed in otherwise fails with "checkpoint not implemented for
-# LazyVariableTracker context_fn".
+# One wrapper per mode (selective: whole blocks or residual branches). torch.compile of a block
+# (train.compile) traces through them, and dynamo (torch 2.13) accepts checkpoint()'s context_fn
+# only when it is absent or a functools.partial built inside the traced code; a function passed in
+# otherwise fails with "checkpoint not implemented for LazyVariableTracker context_fn".
 def _recomputed_full(forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def _recomputed_selective(forward, *args, **kwargs):
+def _recomputed_selective(whole: bool, low_rank: int, forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-def _recomputed_branch(forward, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _branch_policy)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-# Under LoRA (`low_rank`: lora.rank), the same with the adapters' up-projections recomputed.
-def _recomputed_adapted_selective(low_rank, forward, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    policy = functools.partial(_adapted_selective_policy, low_rank)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-def _recomputed_adapted_branch(low_rank, forward, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    policy = functools.partial(_adapted_branch_policy, low_rank)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, whole, low_rank))
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
@@ -138,12 +103,9 @@ def apply_recompute(blocks: nn.ModuleDict, mode: str, block_plan=lambda index: {
             for projection in projections:
                 _keep_projection_inputs(projection)
             for name in branches:
-                branch = getattr(block, name)
-                setattr(block, name, functools.partial(_recomputed_adapted_branch, low_rank, branch) if low_rank
-                        else functools.partial(_recomputed_branch, branch))
+                setattr(block, name, functools.partial(_recomputed_selective, False, low_rank, getattr(block, name)))
         else:  # one region: the projections' outputs are kept (the policy saves every matmul's)
-            block.forward = (functools.partial(_recomputed_adapted_selective, low_rank, block.forward) if low_rank
-                             else functools.partial(_recomputed_selective, block.forward))
+            block.forward = functools.partial(_recomputed_selective, True, low_rank, block.forward)
 
 
 def _local_shape(weight) -> tuple[int, int]:
