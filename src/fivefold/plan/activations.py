@@ -63,6 +63,7 @@ uses this count in every recipe (it was calibrated with it).
 from __future__ import annotations
 
 from fivefold.plan.branch_split import split_branches
+from fivefold.plan.expert_load import rank_imbalance
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import adapter_activation_bytes
@@ -84,8 +85,9 @@ def norm_kept(width: float, input_bytes: int, trained: bool = True) -> float:
 
 
 def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq_len: int,
-                              recompute: str, fused_attention: bool) -> float:
-    """Activation elements one layer saves per token of one micro-batch on one rank."""
+                              recompute: str, fused_attention: bool, imbalance: float = 1.0) -> float:
+    """Activation elements one layer saves per token of one micro-batch on one rank; an MoE layer's
+    routed copies on the busiest ep rank, `imbalance` times the mean (plan/expert_load.py)."""
     h, q, kv, t, cp = stats.dim, stats.q_dim, stats.kv_dim, layout.tp, layout.cp
     seq_split = t if (t > 1 and layout.sp) else 1
     if recompute == "full":
@@ -100,8 +102,8 @@ def layer_activation_elements(stats: ModelStats, layer: int, layout: Layout, seq
         k, n_shared = stats.top_k, stats.shared_expert_params / stats.expert_params
         # each token's top_k copies: dispatched input h and combined output h, plus the SwiGLU
         # of every routed and shared expert it visits; router scores (fp32) per token
-        mlp = (k * (2 * h + 4 * f) + n_shared * 4 * f) / t + 2 * stats.n_experts / t  # tokens split over tp
-        silu = (k + n_shared) * f / t
+        mlp = (imbalance * k * (2 * h + 4 * f) + n_shared * 4 * f) / t + 2 * stats.n_experts / t  # tokens split over tp
+        silu = (imbalance * k + n_shared) * f / t
     else:
         mlp = (4 if gated(stats) else 2) * stats.ffn_dim / t
         silu = stats.ffn_dim / t
@@ -120,10 +122,12 @@ def rank_activation_elements(stats: ModelStats, prank: PipelineRank, layout: Lay
 
 
 def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len: int, recompute: str,
-                         precision, fused_attention: bool, keep_gathered: bool = False, trained: bool = True) -> float:
+                         precision, fused_attention: bool, keep_gathered: bool = False, trained: bool = True,
+                         imbalance: float = 1.0) -> float:
     """Bytes one of fivefold's blocks keeps per token of one micro-batch on one rank (docstring).
     keep_gathered: parallel.sp_keep_gathered (else, with sp and no recomputation, the matmuls
-    reading the gathered sequence keep its shard: parallel/tensor/sharded_inputs.py)."""
+    reading the gathered sequence keep its shard: parallel/tensor/sharded_inputs.py). imbalance:
+    the busiest ep rank's routed rows over the mean (plan/expert_load.py), which it keeps copies of."""
     h, t = stats.dim, layout.tp
     s = t if (t > 1 and layout.sp) else 1
     S, A = precision.param_bytes, precision.act_bytes
@@ -136,11 +140,11 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
         f = stats.expert_hidden
         k, n_experts = stats.top_k, stats.n_experts
         n_shared = stats.shared_expert_params / stats.expert_params
-        mlp = ((3 * k * h + 3 * k * f + n_shared * 3 * f) * A
+        mlp = ((imbalance * 3 * k * (h + f) + n_shared * 3 * f) * A
                + 4 * n_experts + 41 * k + 4) / t  # routing bookkeeping: scores, top-k, sort (int64)
         # The router reads the ffn norm's output locally (h/t), not gathered whole as `norms` counts.
         mlp -= gathered - h / t * A
-        mlp_selective = (k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A / t
+        mlp_selective = (imbalance * k * (2 * f + h) + n_experts + n_shared * (2 * f + h)) * A / t
     else:
         # gate, up (models/swiglu.py) and their product; a two-matrix MLP: up and the activation's output
         mlp = (3 if gated(stats) else 2) * stats.ffn_dim / t * A
@@ -214,15 +218,17 @@ def keeps_gathered(workload: Workload, runtime: Runtime) -> bool:
 
 def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recompute: str,
                            hw: Hardware, runtime: Runtime) -> float:
-    """Bytes one layer keeps per token of one micro-batch, in the runtime's recipe."""
+    """Bytes one layer keeps per token of one micro-batch, in the runtime's recipe, on the busiest
+    expert-parallel rank."""
     stats, seq = workload.stats, workload.seq_len
+    imbalance = rank_imbalance(workload, layout)
     if runtime.activation_recipe == "fivefold":
         return (fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
                                      hw.fuses_attention(stats), keeps_gathered(workload, runtime),
-                                     trained=not workload.lora.rank)
+                                     trained=not workload.lora.rank, imbalance=imbalance)
                 + adapter_activation_bytes(stats, layer, layout, recompute, workload.lora,
                                            workload.precision.act_bytes))
-    return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fuses_attention(stats))
+    return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fuses_attention(stats), imbalance)
             * workload.precision.act_bytes)
 
 

@@ -29,6 +29,7 @@ USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100]
                      [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]
                      [--layouts FILE.jsonl] [--json] [--plot FILE.png] [--top K] [--sweep K]
                      [--framework fivefold|torchtitan|megatron|megatron-2022|nanotron|fms-fsdp]
+                     [--moe-rank-imbalance X]
                      [--section.key value ...]
 
 Without --layout, searches the layouts of --cluster.gpus GPUs and ranks them by predicted
@@ -37,9 +38,11 @@ tokens/s per GPU; with --layout (or --layouts, one JSON object per line) evaluat
 prints measured against predicted tokens/s and memory (use --cluster.gpu cpu on a laptop).
 --framework predicts the time as that framework runs the layout (what it overlaps: docs/planner.md);
 the default is fivefold's own (compiled when train.compile says so).
+--moe-rank-imbalance X: the busiest expert-parallel rank's routed tokens over the mean, as a run
+measured it (`moe_rank_imbalance` in metrics.jsonl); the default is the least random routing gives.
 GPUs: """ + ", ".join(PROFILES)
 
-VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top", "--sweep", "--framework")
+VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top", "--sweep", "--framework", "--moe-rank-imbalance")
 GB = 1e9
 
 
@@ -97,7 +100,7 @@ def _parse_args(argv: list[str]) -> tuple[str | None, dict, list[str]]:
 
 def _example(flag: str) -> str:
     return {"--layout": '"dp=8,tp=2"', "--layouts": "layouts.jsonl", "--plot": "memory.png",
-            "--top": "5", "--sweep": "2", "--framework": "megatron"}[flag]
+            "--top": "5", "--sweep": "2", "--framework": "megatron", "--moe-rank-imbalance": "1.3"}[flag]
 
 
 def _planning_config(cfg: Config) -> Config:
@@ -131,6 +134,21 @@ def _top(flags: dict) -> int:
     if top < 1:
         raise PlanError(f"--top must be at least 1, got {top}")
     return top
+
+
+def _imbalance(flags: dict) -> float:
+    """--moe-rank-imbalance: a measured max/mean load of the ep ranks (0 when not given)."""
+    if "moe_rank_imbalance" not in flags:
+        return 0.0
+    text = flags["moe_rank_imbalance"]
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1.0 or value == float("inf"):
+        raise PlanError(f"--moe-rank-imbalance must be a number >= 1 (the busiest expert-parallel rank's "
+                        f"tokens over the mean, e.g. 1.3), got '{text}'")
+    return value
 
 
 def _runtime(cfg, flags: dict):
@@ -182,7 +200,7 @@ def _plan(argv: list[str]) -> int:
         raise PlanError(str(err)) from None
     except KeyError:
         raise PlanError(f"cluster.gpu='{cfg.cluster.gpu}' is not one of {', '.join(PROFILES)}") from None
-    workload = workload_from_config(cfg)
+    workload = dataclasses.replace(workload_from_config(cfg), moe_rank_imbalance=_imbalance(flags))
     runtime = _runtime(cfg, flags)
     if flags.get("plot"):
         try:

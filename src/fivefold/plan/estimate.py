@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from fivefold.plan import comm, gemm
 from fivefold.plan.attention_time import attention_seconds
+from fivefold.plan.expert_load import rank_imbalance
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.activations import keeps_gathered, rank_activation_elements
@@ -52,6 +53,7 @@ class Estimate:
     profile: str = ""  # the runtime profile (framework) the time was predicted for
     overlaps: str = ""  # what that framework overlaps
     muon: dict = field(default_factory=dict)  # train.optimizer = muon: where its work goes (plan/muon.py)
+    moe_rank_imbalance: float = 1.0  # the busiest ep rank's routed rows over the mean (plan/expert_load.py)
 
     @property
     def tokens_per_sec_band(self) -> dict:
@@ -75,6 +77,7 @@ class Estimate:
                 "why": self.why, "tokens_per_sec_band": self.tokens_per_sec_band,
                 "profile": self.profile, "overlaps": self.overlaps,
                 "time_parts_s": {k: v for k, v in self.time_parts.items() if v},
+                **({"moe_rank_imbalance": self.moe_rank_imbalance} if self.moe_rank_imbalance != 1.0 else {}),
                 **({"muon": self.muon} if self.muon else {})}
 
 
@@ -114,11 +117,13 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     fp8 = bool(workload.fp8) and hw.has_fp8
     speedup = runtime.float8_linear_speedup if fp8 else 1.0
     rows = tokens_local / layout.tp  # tokens per rank-share of a per-token FLOP count
-    compute = attention = 0.0
+    # The busiest ep rank's share of the routed rows sets an MoE layer's pace (plan/expert_load.py).
+    imbalance = rank_imbalance(workload, layout)
+    compute = attention = expert_wait = 0.0
     for layer, count in groups:
         moe = stats.is_moe(layer)
         eff_dense, eff_fp8, eff_experts = gemm.layer_efficiencies(
-            stats, moe, tokens_local, layout.tp, layout.ep, hw, speedup, runtime.float8_casts(fp8))
+            stats, moe, tokens_local, layout.tp, layout.ep, hw, speedup, runtime.float8_casts(fp8), imbalance)
         attn = stats.layer_attention_flops_per_token(layer, seq)
         experts = stats.moe_flops_per_token(layer)
         dense = stats.layer_flops_per_token(layer, seq) - attn - experts
@@ -127,6 +132,10 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
         core = attention_seconds(stats, layer, seq, rows, hw, runtime.attention_kernel, layout.recompute)
         compute += count * (recomputed * share * rows * seconds + core)
         attention += count * attn * rows / (peak * hw.matmul_efficiency)
+        if moe and imbalance != 1.0:  # what the busiest rank's extra rows cost beyond the mean load
+            even = gemm.layer_efficiencies(stats, moe, tokens_local, layout.tp, layout.ep, hw, speedup,
+                                           runtime.float8_casts(fp8))[2]
+            expert_wait += count * recomputed * share * rows * experts / peak * (1 / eff_experts - 1 / even)
     if prank.has_output:
         compute += (share * stats.output_flops_per_token * rows
                     / (peak * gemm.output_efficiency(stats, tokens_local, layout.tp, hw)))
@@ -170,7 +179,8 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     # Each tp rank routes its 1/tp of the micro-batch's tokens (parallel/tensor/apply.py).
     ep_one = comm.ep_bytes_per_moe_layer(layout, tokens_local / layout.tp, stats.dim, stats.top_k, pr.act_bytes)
     ep_b = n_moe * ep_one
-    ep_t = n_moe * 4 * comm.all_to_all_time(ep_one / 4, links["ep"], hw)  # 4 exchanges/layer
+    # 4 exchanges a layer; each ends when the busiest rank has received (dispatch) or sent (combine) its rows
+    ep_t = n_moe * 4 * comm.all_to_all_time(imbalance * ep_one / 4, links["ep"], hw)
     if runtime.ep_overlap == "always" or (runtime.ep_overlap == "dualpipe" and layout.pp_schedule == "dualpipev"):
         # Dispatch and combine run under compute: DualPipe(V) pairs one micro-batch's forward with
         # another's backward; Megatron-core splits a micro-batch in two. What exceeds the compute shows.
@@ -188,8 +198,8 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     host = n_layers * runtime.kernels_per_layer * runtime.launch_s + collectives * runtime.collective_host_s
     if layout.tp > 1 and layout.pp > 1 and not links["pp"].intra_node:
         host += n_tp * runtime.pp_cross_node_wait_per_tp_peer_s * layout.tp
-    seconds = {"compute": compute, "tp": tp_t, "cp": cp_t, "ep": ep_t, "pp": pp_t,
-               "host": max(0.0, host - gpu)}
+    seconds = {"compute": compute - expert_wait, "expert_imbalance": expert_wait, "tp": tp_t, "cp": cp_t,
+               "ep": ep_t, "pp": pp_t, "host": max(0.0, host - gpu)}
     return seconds, {"tp": tp_b, "cp": cp_b, "ep": ep_b, "pp": pp_b}
 
 
@@ -347,4 +357,5 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                     tokens_per_sec_per_gpu=tok_s_gpu, mfu=mfu,
                     bubble_fraction=bubble_fraction(layout, m), comm_bytes=comm_bytes,
                     time_parts=parts, error=runtime.tokens_per_sec_error, profile=runtime.name,
-                    overlaps=runtime.overlaps, muon=muon.to_json() if muon else {})
+                    overlaps=runtime.overlaps, muon=muon.to_json() if muon else {},
+                    moe_rank_imbalance=rank_imbalance(workload, layout))

@@ -68,13 +68,15 @@ def efficiency(gemms: tuple[Gemm, ...], hw, speedup: float = 1.0, cast_bytes: fl
 
 
 @lru_cache(maxsize=8192)
-def layer_gemms(stats, moe: bool, tokens: float, tp: int, ep: int) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...]]:
+def layer_gemms(stats, moe: bool, tokens: float, tp: int, ep: int,
+                imbalance: float = 1.0) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...]]:
     """(dense-projection GEMMs, expert GEMMs) of one layer for `tokens` rows on one tp rank.
 
     Attention: q, k, v and the output projection, split by heads over tp. A dense MLP: its up
     matrices (gate and up for SwiGLU) and down, split over tp. A MoE layer routes each tp rank's
     1/tp of the tokens (parallel/tensor/apply.py): the shared experts see those rows, and each of
-    the n_experts / ep local experts gets ep x rows x top_k / n_experts of them."""
+    the n_experts / ep local experts gets ep x rows x top_k / n_experts of them on average,
+    `imbalance` times that on the busiest ep rank (plan/expert_load.py)."""
     h = stats.dim
     dense = [Gemm(tokens, stats.q_dim / tp, h), Gemm(tokens, stats.kv_dim / tp, h),
              Gemm(tokens, stats.v_dim / tp, h), Gemm(tokens, h, stats.o_dim / tp)]
@@ -89,7 +91,7 @@ def layer_gemms(stats, moe: bool, tokens: float, tp: int, ep: int) -> tuple[tupl
             experts += [Gemm(rows, width, h, count=2), Gemm(rows, h, width)]
         if stats.n_experts:
             local = max(1, stats.n_experts // ep)
-            per_expert = max(1.0, ep * rows * stats.top_k / stats.n_experts)
+            per_expert = max(1.0, imbalance * ep * rows * stats.top_k / stats.n_experts)
             width = stats.expert_hidden
             experts += [Gemm(per_expert, 2 * width, h, groups=local), Gemm(per_expert, h, width, groups=local)]
     return tuple(dense), tuple(experts)
@@ -97,11 +99,15 @@ def layer_gemms(stats, moe: bool, tokens: float, tp: int, ep: int) -> tuple[tupl
 
 @lru_cache(maxsize=8192)
 def layer_efficiencies(stats, moe: bool, tokens: float, tp: int, ep: int, hw, fp8_speedup: float,
-                       cast_bytes: float) -> tuple[float, float, float]:
-    """(bf16 dense-projection, FP8 dense-projection, expert) efficiency of one layer's GEMMs."""
+                       cast_bytes: float, imbalance: float = 1.0) -> tuple[float, float, float]:
+    """(bf16 dense-projection, FP8 dense-projection, expert) efficiency of one layer's GEMMs. The
+    experts' is the mean load's FLOPs over the busiest ep rank's time, which every rank waits for."""
     dense, experts = layer_gemms(stats, moe, tokens, tp, ep)
-    return (efficiency(dense, hw), efficiency(dense, hw, fp8_speedup, cast_bytes),
-            efficiency(experts, hw) if experts else hw.matmul_efficiency)
+    expert_eff = hw.matmul_efficiency
+    if experts:
+        busiest = layer_gemms(stats, moe, tokens, tp, ep, imbalance)[1] if imbalance != 1.0 else experts
+        expert_eff = efficiency(busiest, hw) * sum(g.flops for g in experts) / sum(g.flops for g in busiest)
+    return efficiency(dense, hw), efficiency(dense, hw, fp8_speedup, cast_bytes), expert_eff
 
 
 @lru_cache(maxsize=2048)

@@ -275,7 +275,8 @@ def _reject(result: SearchResult, layout: Layout, reason: str, keep: int) -> Non
 
 _PART_NAMES = {"compute": "compute", "tp": "tensor-parallel communication",
                "cp": "context-parallel communication", "ep": "expert all-to-all",
-               "pp": "pipeline sends", "host": "host launch overhead", "bubble": "pipeline bubble",
+               "pp": "pipeline sends", "host": "host launch overhead",
+               "expert_imbalance": "waiting on the busiest expert rank", "bubble": "pipeline bubble",
                "dp": "data-parallel communication", "optimizer": "optimizer step",
                "newton_schulz": "Muon's Newton–Schulz", "muon_gather": "Muon's gathers of its matrices"}
 

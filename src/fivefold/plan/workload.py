@@ -55,6 +55,10 @@ class Workload:
     fp8: str = ""  # train.fp8: "" or the recipe; only then do the projections' matmuls get the FP8 speed-up
     muon: bool = False  # train.optimizer = muon: the block matrices keep one moment (plan/memory.py)
     lora: Lora = Lora()  # [lora]: rank > 0 trains adapters only, the base frozen (plan/lora.py)
+    # The busiest ep rank's routed rows over the mean (plan/expert_load.py): measured
+    # (`fivefold plan --moe-rank-imbalance`, the trainer's moe_rank_imbalance), 0 = routing noise only.
+    moe_rank_imbalance: float = 0.0
+    capacity_factor: float = 0.0  # model.moe.capacity_factor: caps the imbalance; 0 = dropless
 
     @property
     def tokens_per_step(self) -> int:
@@ -68,4 +72,5 @@ def workload_from_config(cfg, precision: str | None = None) -> Workload:
                     precision=PRECISIONS[precision or cfg.train.dtype], order=order,
                     keep_gathered=cfg.parallel.sp_keep_gathered, fp8=cfg.train.fp8,
                     muon=cfg.train.optimizer == "muon",
-                    lora=Lora(cfg.lora.rank, cfg.lora.targets, cfg.lora.dropout))
+                    lora=Lora(cfg.lora.rank, cfg.lora.targets, cfg.lora.dropout),
+                    capacity_factor=cfg.model.moe.capacity_factor)
