@@ -196,7 +196,8 @@ def test_ep_borrowing_tp_traffic_and_time_by_hand():
     # all-to-all sends 1024 x 2 copies x 4096 x 2 bytes x 7/8 (to the 7 others) = 14,680,064 bytes;
     # 4 per layer (dispatch, combine, forward and backward), 32 layers, 4 micro-batches:
     # 4 x 32 x 4 x 14,680,064 = 7,516,192,768 bytes per step.
-    w, hw = _mixtral(), _h100()
+    # An even load (the busiest rank's extra rows: tests/test_plan_moe_load.py).
+    w, hw = dataclasses.replace(_mixtral(), moe_rank_imbalance=1.0), _h100()
     layout = Layout(dp=2, tp=2, cp=2, ep=8, mbs=1)
     sent = 1024 * 2 * 4096 * 2 * 7 / 8
     assert sent == 14_680_064

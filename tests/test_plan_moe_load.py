@@ -17,6 +17,7 @@ from fivefold.config import ModelConfig
 from fivefold.config.schema import MoEConfig
 from fivefold.plan.activations import fivefold_layer_bytes
 from fivefold.plan.estimate import estimate
+from fivefold.plan.gemm import M_TILE, expected_padded_rows
 from fivefold.plan.expert_load import expected_max_normal, rank_imbalance, routing_noise_imbalance
 from fivefold.plan.hardware import FIVEFOLD_EAGER, hardware_for
 from fivefold.plan.layout import Layout
@@ -58,6 +59,17 @@ def test_routing_noise_is_what_random_balanced_routing_gives(rows, top_k, n_expe
     simulated = _simulated_imbalance(rows, top_k, n_experts, ep, trials=400)
     assert predicted > 1.0
     assert abs((predicted - 1) - (simulated - 1)) <= 0.10 * (simulated - 1), (predicted, simulated)
+
+
+@pytest.mark.parametrize("mean_rows", [3.0, 60.0, 128.0, 256.0, 300.0, 2000.0])
+def test_tile_padding_is_that_of_random_counts(mean_rows):
+    """A grouped GEMM pads each expert's rows to the M tile; counts drawn around their mean (Poisson)
+    pad to the formula's rows within 2%, also at an exact multiple of the tile, where the mean
+    count alone would pad nothing."""
+    counts = torch.poisson(torch.full((20000,), mean_rows), generator=torch.Generator().manual_seed(0))
+    simulated = (torch.ceil(counts / M_TILE) * M_TILE).mean().item()
+    assert expected_padded_rows(mean_rows) == pytest.approx(simulated, rel=0.02)
+    assert expected_padded_rows(mean_rows) >= mean_rows
 
 
 def test_more_rows_even_the_load_and_one_rank_has_none_to_wait_for():

@@ -18,9 +18,10 @@ float8_linear_speedup / fp8_peak_ratio (the FP8 rate a large GEMM reaches over b
 operand is first scaled and cast (Runtime.float8_cast_bytes_per_element of memory traffic per
 element): large GEMMs gain nearly the whole rate, small ones little.
 
-MoE experts run as one grouped GEMM: each local expert's rows are padded to the M tile (128), and
-the expert weights are read whatever the rows, so small experts with few tokens each are bound by
-the tile padding and the memory roofline.
+MoE experts run as one grouped GEMM: each local expert's rows are padded to the M tile (128)
+(expected_padded_rows: the counts vary from micro-batch to micro-batch), and the expert weights are
+read whatever the rows, so small experts with few tokens each are bound by the tile padding and the
+memory roofline.
 """
 
 from __future__ import annotations
@@ -45,11 +46,27 @@ class Gemm:
         return 2.0 * self.m * self.n * self.k * self.count * self.groups
 
 
+@lru_cache(maxsize=4096)
+def expected_padded_rows(mean_rows: float) -> float:
+    """An expert's rows padded to the M tile, on average over micro-batches: routing draws each
+    expert's count at random around its mean (variance about the mean, as for a Poisson count), so
+    the padding is the expected number of started tiles, sum over j >= 0 of P(rows > j M_TILE),
+    not that of the mean count (which has none at an exact multiple of the tile and a whole tile
+    just above one)."""
+    sigma = math.sqrt(max(mean_rows, 1.0))
+    tiles = 1.0 - math.exp(-mean_rows)  # P(rows > 0), Poisson
+    j = 1
+    while j * M_TILE < mean_rows + 8 * sigma:
+        tiles += 0.5 * math.erfc((j * M_TILE + 0.5 - mean_rows) / (sigma * math.sqrt(2.0)))
+        j += 1
+    return tiles * M_TILE
+
+
 def gemm_seconds(g: Gemm, hw, speedup: float = 1.0, cast_bytes: float = 0.0, operand_bytes: float = 2.0) -> float:
     """One pass (forward, or one of the two backward GEMMs) of g on hw. speedup: the FP8 rate over
     bf16 (1 for bf16); cast_bytes: memory traffic per operand element spent scaling and casting."""
     rate = hw.peak_flops * hw.matmul_efficiency * speedup
-    padded_rows = math.ceil(g.m / M_TILE) * M_TILE if g.groups > 1 else g.m
+    padded_rows = expected_padded_rows(g.m) if g.groups > 1 else g.m
     compute = 2.0 * padded_rows * g.n * g.k * g.groups / rate
     moved = operand_bytes * g.groups * (g.m * g.k + g.k * g.n) + 2.0 * g.groups * g.m * g.n
     memory = moved / hw.hbm_bw
