@@ -217,11 +217,11 @@ def keeps_gathered(workload: Workload, runtime: Runtime) -> bool:
 
 
 def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recompute: str,
-                           hw: Hardware, runtime: Runtime) -> float:
+                           hw: Hardware, runtime: Runtime, imbalance: float | None = None) -> float:
     """Bytes one layer keeps per token of one micro-batch, in the runtime's recipe, on the busiest
-    expert-parallel rank."""
+    expert-parallel rank (imbalance: plan/expert_load.py's rank_imbalance, computed when None)."""
     stats, seq = workload.stats, workload.seq_len
-    imbalance = rank_imbalance(workload, layout)
+    imbalance = rank_imbalance(workload, layout) if imbalance is None else imbalance
     if runtime.activation_recipe == "fivefold":
         return (fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
                                      hw.fuses_attention(stats), keeps_gathered(workload, runtime),
@@ -274,8 +274,9 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
     fivefold = runtime.activation_recipe == "fivefold"
     counts = in_flight_per_chunk(layout, rank, micro_batches)
     # Layers of a kind (dense, MoE) keep the same: computed once per kind.
+    imbalance = rank_imbalance(workload, layout)
     per_kind = {workload.stats.is_moe(layer): layer_activation_bytes(workload, layer, layout, layout.recompute,
-                                                                     hw, runtime)
+                                                                     hw, runtime, imbalance)
                 for layer, _ in prank.kinds}
     s = layout.tp if (layout.tp > 1 and layout.sp) else 1
     stream = workload.stats.dim / s * workload.precision.param_bytes  # one stage output, per token
@@ -290,7 +291,7 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
             saved += outputs_held(layout, count, micro_batches) * tokens * stream
     # The backward of one layer materialises gradients about as large as what that layer saved;
     # under full recomputation it first rebuilds that layer's activations as well.
-    biggest = max((layer_activation_bytes(workload, layer, layout, "none", hw, runtime)
+    biggest = max((layer_activation_bytes(workload, layer, layout, "none", hw, runtime, imbalance)
                    for layer, _ in prank.kinds), default=0.0)
     working = biggest * tokens * (2 if layout.recompute == "full" else 1)
     if prank.has_output:
