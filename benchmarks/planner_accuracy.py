@@ -307,8 +307,8 @@ PUBLISHED_TOOL = REPO / ".." / "shared" / "tools" / "published_runs.py"
 FRAMEWORK_BY_SOURCE = (
     ("Korthikanti", "megatron-2022"),  # Megatron-LM on Selene, 2022
     ("Narayanan", "megatron-2022"),  # Megatron-LM, 2021
-    ("MT-NLG", "megatron-2022"),  # Megatron-DeepSpeed: Megatron's kernels, DeepSpeed's pipeline and ZeRO-1
-    ("bigscience", "megatron-2022"),  # BLOOM: Megatron-DeepSpeed
+    ("MT-NLG", "megatron-deepspeed"),  # Megatron-DeepSpeed: Megatron's kernels, DeepSpeed's pipeline and ZeRO-1
+    ("bigscience", "megatron-deepspeed"),  # BLOOM: Megatron-DeepSpeed
     ("fms-fsdp", "fms-fsdp"),  # IBM: PyTorch FSDP, eager, gradients reduced in bf16
 )
 

@@ -171,3 +171,18 @@ def test_a_framework_reducing_gradients_in_bf16_moves_half_the_data_parallel_byt
     replica = dataclasses.replace(layout, dp_shard=16)  # no replicas: only the reduce-scatter halves
     assert estimate(work, replica, hw, FRAMEWORKS["fms-fsdp"]).comm_bytes["dp"] < estimate(
         work, replica, hw, FIVEFOLD_EAGER).comm_bytes["dp"]
+
+
+def test_deepspeeds_pipeline_engine_sends_whole_activations_and_accumulates_with_autograd():
+    """Megatron-DeepSpeed (MT-NLG, BLOOM): the same layout as Megatron-LM sends tp times the
+    pipeline bytes (no scatter over tp ranks) and pays an accumulation pass Megatron fuses."""
+    from fivefold.plan.hardware import MEGATRON_DEEPSPEED_RUNTIME
+
+    work, layout = _workload(batch=64), Layout(dp=2, tp=8, pp=4, zero=1, mbs=1, sp=False)
+    hw = hardware_for("a100", 8)
+    megatron = estimate(work, layout, hw, MEGATRON_2022_RUNTIME)
+    deepspeed = estimate(work, layout, hw, MEGATRON_DEEPSPEED_RUNTIME)
+    assert deepspeed.comm_bytes["pp"] == pytest.approx(8 * megatron.comm_bytes["pp"])
+    assert deepspeed.time_parts["pp"] > megatron.time_parts["pp"]
+    assert deepspeed.time_parts["compute"] > megatron.time_parts["compute"]  # the accumulation pass
+    assert deepspeed.step_time_s > megatron.step_time_s

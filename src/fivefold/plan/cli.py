@@ -28,7 +28,7 @@ from fivefold.configure import load_config, validate
 USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100] [--cluster.gpus_per_node 8]
                      [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]
                      [--layouts FILE.jsonl] [--json] [--plot FILE.png] [--top K] [--sweep K]
-                     [--framework fivefold|torchtitan|megatron|megatron-2022|nanotron|fms-fsdp]
+                     [--framework fivefold|torchtitan|megatron|megatron-2022|megatron-deepspeed|nanotron|fms-fsdp]
                      [--moe-rank-imbalance X]
                      [--section.key value ...]
 

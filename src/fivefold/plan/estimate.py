@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from fivefold.plan import comm, gemm
 from fivefold.plan.attention_time import attention_seconds
 from fivefold.plan.expert_load import rank_imbalance
+from fivefold.plan.grad_accum import accumulation_bytes_per_weight
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.activations import keeps_gathered, rank_activation_elements
@@ -146,6 +147,12 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     if prank.has_output:
         traffic += 2 * tokens_local * stats.vocab_size / layout.tp * runtime.logits_bytes_per_element
     compute += traffic / hw.hbm_bw
+    # Each micro-batch's weight gradients join the accumulated ones: a pass over the rank's trained
+    # weights (plan/grad_accum.py).
+    trained = (sum(adapter_param_counts(stats, layout, prank, workload.lora)) if workload.lora.rank
+               else sum(rank_param_counts(stats, layout, prank)))
+    compute += trained * accumulation_bytes_per_weight(
+        pr, layout, runtime, layout.micro_batches(workload.global_batch)) / hw.hbm_bw
 
     # Tensor parallelism: 8 collectives per layer and 2 for the output projection in the compute
     # dtype, 2 for the vocab-parallel embedding in the residual stream's (the weights') dtype; each

@@ -51,10 +51,10 @@ class Hardware:
     #     full rate, so a collective's bandwidth per GPU does not fall with the nodes it spans;
     #   'tapered': an oversubscribed fabric, where a collective spanning k nodes reaches
     #     nic_bw / (1 + (k - 1) / fabric_nodes) per GPU (more of its traffic crosses the spine,
-    #     shared with other jobs). fabric_nodes = 39.6 was fitted on the Playbook's cluster
+    #     shared with other jobs). fabric_nodes = 28.5 was fitted on the Playbook's cluster
     #     (benchmarks/calibrate_time.py), the one data set that shows such a falloff.
     fabric: str = "full_bisection"
-    fabric_nodes: float = 39.6
+    fabric_nodes: float = 28.5
     # Nodes under one set of leaf switches (a DGX SuperPOD "scalable unit" is 32 nodes): a job
     # larger than that has every transfer's path cross the spine.
     scalable_unit_nodes: int = 32
@@ -224,6 +224,13 @@ class Runtime:
     overlaps: str = ("dp gradient buckets under the last backward (zero 0/1), every backward "
                      "(zero 2), FSDP prefetch (zero 3); ring attention under its blocks; expert "
                      "all-to-all only under dualpipev; tp and pp exposed")
+    # How each micro-batch's weight gradients join the step's accumulated ones (plan/grad_accum.py):
+    # 'hooks' (fivefold, nanotron: a gradient hook adds the 16-bit gradient into the fp32 buffer, an
+    # elementwise pass over the rank's trained weights; fp32 weights: autograd adds in place),
+    # 'fused' (Megatron's gradient-accumulation fusion: the weight-gradient GEMM accumulates into
+    # the fp32 buffer, no pass of its own) or 'autograd' (DeepSpeed's pipeline engine: autograd
+    # adds each 16-bit gradient into .grad in place).
+    grad_accum: str = "hooks"
     # torchtitan only (its PP + FSDP keeps blocks gathered across a step's micro-batches);
     # fivefold gathers each block for every micro-batch's forward and backward (parallel/data/fsdp.py).
     fsdp_gather_once_in_pipeline: bool = False
@@ -246,12 +253,13 @@ FIVEFOLD_COMPILED = dataclasses.replace(FIVEFOLD_EAGER, elementwise_passes=4.76,
                                         regathers_inputs=False, name="fivefold-compiled")
 DEFAULT_RUNTIME = FIVEFOLD_EAGER
 # The Playbook's runs were made with nanotron: its activations, async TP linear (part of the tp
-# traffic hidden), fp32 gradient buffers reduced after the last backward, and its own host costs
+# traffic hidden), fp32 gradient buffers (filled by hooks, as fivefold's) reduced after the last
+# backward, and its own host costs
 # (calibrated on playbook_runs_dev.csv, benchmarks/calibrate_time.py --profile nanotron).
 NANOTRON_RUNTIME = dataclasses.replace(
     DEFAULT_RUNTIME, activation_recipe="nanotron", launch_s=8.1e-6, collective_host_s=425e-6,
     pp_cross_node_wait_per_tp_peer_s=0.286e-3, slot_stall_s=0.90,
-    dp_bw_efficiency=0.92, elementwise_passes=6.4, dp_overlap_fraction=0.0,
+    dp_bw_efficiency=0.92, elementwise_passes=5.07, dp_overlap_fraction=0.0,
     tokens_per_sec_error=(0.116, 2.27),  # the Playbook's 1,620 runs (90th pct: the stalled runs)
     name="nanotron", overlaps="nothing of dp (fp32 buffers reduced after the last backward); "
     "tp exposed; a stall per pipeline slot beyond 32 nodes (the Playbook's cluster)")
@@ -269,10 +277,19 @@ TORCHTITAN_RUNTIME = dataclasses.replace(
 # all-reduce after the last backward (Korthikanti et al. s6.3: "not overlapped").
 MEGATRON_2022_RUNTIME = dataclasses.replace(
     FIVEFOLD_COMPILED, regathers_inputs=True, regather_overlapped=True, pp_scatter_gather=True,
-    dp_overlap_fraction=0.0, ep_overlap="none", attention_kernel="unfused",
-    tokens_per_sec_error=(0.051, 0.275),  # the 13 Megatron / Megatron-DeepSpeed rows of published_runs_dev.csv
+    dp_overlap_fraction=0.0, ep_overlap="none", attention_kernel="unfused", grad_accum="fused",
+    tokens_per_sec_error=(0.034, 0.066),  # the 9 Megatron-LM rows of published_runs_dev.csv (Korthikanti et al.)
     name="megatron-2022", overlaps="nothing: tp, pp and the dp all-reduce exposed (A100-era "
     "Megatron-LM and Megatron-DeepSpeed)")
+# Megatron-DeepSpeed with DeepSpeed's pipeline engine (MT-NLG 530B, BLOOM-176B): Megatron's kernels
+# and tensor parallelism, but DeepSpeed's pipeline sends each tp rank's whole activation to its
+# peer in the next stage (no scatter over tp) and accumulates the micro-batches' 16-bit gradients
+# in .grad with autograd (no accumulation fused into the weight-gradient GEMM).
+MEGATRON_DEEPSPEED_RUNTIME = dataclasses.replace(
+    MEGATRON_2022_RUNTIME, pp_scatter_gather=False, grad_accum="autograd", name="megatron-deepspeed",
+    tokens_per_sec_error=(0.18, 0.20),  # its 4 rows of published_runs_dev.csv (MT-NLG, BLOOM), all too fast
+    overlaps="nothing: tp, pp and the dp all-reduce exposed (Megatron-DeepSpeed with DeepSpeed's "
+    "pipeline engine: whole activations sent by every tp rank, gradients accumulated by autograd)")
 # Megatron-core / NeMo (2024-25, what NVIDIA's H100 and B200 runs use): Transformer Engine with tp
 # communication overlapped with the GEMMs (userbuffers; NeMo's tp_comm_overlap, most of it hidden),
 # the distributed optimizer with --overlap-grad-reduce and --overlap-param-gather, FP8 casts fused
@@ -292,7 +309,8 @@ FMS_FSDP_RUNTIME = dataclasses.replace(
     "nothing else to overlap (no tp or pp)")
 FRAMEWORKS: dict[str, Runtime] = {
     "fivefold": FIVEFOLD_EAGER, "fivefold-compiled": FIVEFOLD_COMPILED, "nanotron": NANOTRON_RUNTIME,
-    "torchtitan": TORCHTITAN_RUNTIME, "megatron-2022": MEGATRON_2022_RUNTIME, "megatron": MEGATRON_RUNTIME,
+    "torchtitan": TORCHTITAN_RUNTIME, "megatron-2022": MEGATRON_2022_RUNTIME,
+    "megatron-deepspeed": MEGATRON_DEEPSPEED_RUNTIME, "megatron": MEGATRON_RUNTIME,
     "nemo": MEGATRON_RUNTIME, "fms-fsdp": FMS_FSDP_RUNTIME,
 }
 
