@@ -71,7 +71,7 @@ def test_layout_command_cuts_long_listings(capsys):
     cfg = CONFIG_DIR / "llama3-405b.toml"
     assert main(["layout", str(cfg)]) == 0
     out = capsys.readouterr().out
-    assert "... (512 ranks; --all prints every one)" in out and "(128 groups)" in out  # tp4 groups
+    assert "... (512 ranks; --all prints every one)" in out and "(64 groups)" in out  # tp8 groups
     assert main(["layout", str(cfg), "--all"]) == 0
     assert "rank 511 node 63" in capsys.readouterr().out
 
