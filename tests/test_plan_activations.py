@@ -59,6 +59,12 @@ for family, model in FAMILIES.items():
     TWO_RANKS.update({f"{family} {label}": {**model, **layout} for label, layout in LAYOUTS_2.items()})
 for family in ("qwen3-moe", "deepseek-v3"):
     TWO_RANKS[f"{family} dp2 ep2"] = {**FAMILIES[family], **_with({"dp": 2, "ep": 2}, global_batch=4)}
+# Two-matrix MLPs (model.mlp_activation, issue 41): up's output and the activation's, not SwiGLU's three.
+for act in ("gelu", "relu2"):
+    ONE_RANK.update({f"{act} {dtype} {mode}": {"model": {"mlp_activation": act}, **_with({}, recompute=mode, dtype=dtype)}
+                     for dtype in ("fp32", "bf16") for mode in ("none", "selective")})
+    TWO_RANKS.update({f"{act} tp2 {mode}": {"model": {"mlp_activation": act}, **_with({"tp": 2}, recompute=mode)}
+                      for mode in ("none", "selective")})
 
 # At tp4 selective recomputation checkpoints each residual branch apart and keeps the output
 # projections' inputs instead of their whole outputs (plan/branch_split.py; at tp2 these shapes

@@ -18,6 +18,7 @@ FAMILIES = tuple(HF_MODEL_TYPES)
 # Model keys only some families implement: away from its default (config/schema.py), a key is
 # refused in any other family (config/validate_attention.py), whose modules have no such part.
 FAMILY_KEYS: dict[str, tuple[str, ...]] = {
+    "mlp_activation": ("llama",),
     "rope_yarn_factor": ("deepseek_v3", "gpt_oss"),
     "rope_yarn_truncate": ("gpt_oss",),
     "sliding_window": ("gpt_oss",),

@@ -20,6 +20,7 @@ from fivefold.config.schedules import PP_SCHEDULES
 CP_METHODS = ("ring", "allgather", "ulysses")
 BACKENDS = ("auto", "nccl", "gloo", "cpu:gloo,cuda:nccl")  # torch.distributed names; auto: runtime.py
 FABRICS = ("full_bisection", "tapered")  # cluster.fabric
+MLP_ACTIVATIONS = ("swiglu", "gelu", "relu2")  # model.mlp_activation
 ZERO_STAGES = "0 replicate, 1 shard optimizer state, 2 also gradients, 3 also parameters"
 
 
@@ -65,6 +66,9 @@ class ModelConfig:
     n_kv_heads: int = checked(2, gt=0)
     head_dim: int = checked(0, ge=0, note="0 = dim // n_heads")  # 0 = dim // n_heads (Qwen3 sets it explicitly: its heads need not add up to dim)
     ffn_dim: int = checked(384, gt=0)
+    # The dense feed-forward: swiglu w2(silu(w1 x) · w3 x), three matrices (Llama, Qwen); gelu
+    # w2(gelu(w1 x)) (GPT-3, BLOOM); relu2 w2(relu(w1 x)²) (Nemotron-4): two matrices.
+    mlp_activation: str = checked("swiglu", choices=MLP_ACTIVATIONS)
     vocab_size: int = checked(256, gt=0)
     tie_embeddings: bool = True
     rope_theta: float = checked(10000.0, gt=0)

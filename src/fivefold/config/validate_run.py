@@ -28,6 +28,10 @@ def check_checkpoint(cfg: Config) -> None:
              "to say where checkpoints go")
     _require(not c.export_hf or c.dir or cfg.log.dir, f"checkpoint.export_hf='{c.export_hf}' exports the final "
              "checkpoint: set checkpoint.dir or log.dir to say where checkpoints go")
+    _require(not c.export_hf or cfg.model.mlp_activation == "swiglu",
+             f"checkpoint.export_hf='{c.export_hf}' needs model.mlp_activation='swiglu', not "
+             f"'{cfg.model.mlp_activation}': Hugging Face's Llama has only a SwiGLU feed-forward; drop "
+             "checkpoint.export_hf and keep fivefold's checkpoints")
     export = Path(c.export_hf) if c.export_hf else None
     _require(export is None or not export.exists() or (export.is_dir() and not any(export.iterdir())) or
              (export / "config.json").is_file() or (export / "adapter_config.json").is_file(),

@@ -158,16 +158,22 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """The dense feed-forward (model.mlp_activation): SwiGLU w2(silu(w1 x) * w3 x), or a two-matrix
+    MLP w2(act(w1 x)) with GeLU (erf form) or squared ReLU."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, activation: str = "swiglu"):
         super().__init__()
+        self.activation = activation
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        if activation == "swiglu":
+            self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        if self.activation == "swiglu":
+            return self.w2(swiglu(self.w1(x), self.w3(x)))
+        up = self.w1(x)
+        return self.w2(F.gelu(up) if self.activation == "gelu" else torch.square(F.relu(up)))
 
 
 def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +193,8 @@ class TransformerBlock(nn.Module):
         # Any module (x, cos, sin) -> x whose math runs in a parameter-free `core` (q, k, v) -> out.
         self.attention = attention if attention is not None else Attention(cfg, qk_norm)
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = (feed_forward if feed_forward is not None
+                             else FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_activation))
 
     # The block's residual branches, by method name: selective recomputation checkpoints each one
     # on its own (parallel/recompute.py), so that recomputing a branch in backward can stop before

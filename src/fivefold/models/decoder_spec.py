@@ -30,7 +30,9 @@ def decoder_block_plan(cfg: ModelConfig, index: int, qk_norm: bool) -> dict[str,
         plan["feed_forward"] = TP.REPLICATED_MOE
     else:
         plan.update({"feed_forward": TP.ALL_TOKENS_IN, "feed_forward.w1": TP.COLUMN,
-                     "feed_forward.w3": TP.COLUMN, "feed_forward.w2": TP.ROW_TO_TOKENS})
+                     "feed_forward.w2": TP.ROW_TO_TOKENS})
+        if cfg.mlp_activation == "swiglu":  # a two-matrix MLP (gelu, relu2) has no w3
+            plan["feed_forward.w3"] = TP.COLUMN
     return plan
 
 

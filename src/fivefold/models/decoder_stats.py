@@ -237,7 +237,7 @@ def decoder_stats(model, qk_norm: bool = False) -> ModelStats:
         tie_embeddings=model.tie_embeddings,
         attention_params=(2 * h * q + 2 * h * kv + (2 * head_dim if qk_norm else 0) + biases + sinks
                           + (h if model.attention_bias else 0)), norm_params=2 * h,
-        dense_mlp_params=3 * h * model.ffn_dim,
+        dense_mlp_params=(3 if model.mlp_activation == "swiglu" else 2) * h * model.ffn_dim,
         n_experts=n_experts, top_k=top_k, expert_params=expert_params,
         shared_expert_params=shared, router_params=router, moe_layers=moe_layers, qk_norm=qk_norm,
         mtp_depth=model.mtp_depth, replicated_attention_params=h if model.attention_bias else 0,

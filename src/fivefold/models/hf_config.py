@@ -86,6 +86,9 @@ def decoder_hf_config(cfg, dtype, model_type: str, architecture: str) -> dict:
     RoPE is written the pre-5.0 way (top-level rope_theta and rope_scaling): transformers 5 still
     reads it, while older readers would silently ignore `rope_parameters` and use the wrong theta.
     """
+    if cfg.mlp_activation != "swiglu":
+        raise ConfigError(f"model.mlp_activation='{cfg.mlp_activation}' has no Hugging Face {architecture}: "
+                          "its feed-forward is SwiGLU only; keep fivefold's checkpoint instead")
     rope_scaling = None
     if cfg.rope_scaling > 0:
         rope_scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling,
