@@ -2,8 +2,9 @@
 tokens/s per GPU, MFU and the pipeline bubble.
 
 Time model of a step (per pipeline rank r, per micro-batch):
-  gpu(r)  = matmuls at the achievable fraction of peak + memory-bound elementwise work
-            + exposed tp / cp / ep / pp communication
+  gpu(r)  = matmuls at the achievable fraction of peak (an MoE layer's experts at the busiest ep
+            rank's rows: plan/expert_load.py) + memory-bound elementwise work + the gradient-
+            accumulation pass (plan/grad_accum.py) + exposed tp / cp / ep / pp communication
   host(r) = kernels x launch time + collectives x host time per collective (Runtime)
   t_mb    = max over ranks of max(gpu(r), host(r))   (the host runs ahead: launches of kernels
             longer than a launch are hidden)
