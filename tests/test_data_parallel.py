@@ -84,8 +84,9 @@ def test_memory_per_rank_matches_zero_stage(two_rank_results, zero):
             assert abs(got - multiple) < 0.01, f"zero {zero} {part}: {got:.3f} x P, expected {multiple}"
 
 
-def _planned(capsys, zero: int) -> dict:
-    """The planner's prediction for the same tiny model and layout as TWO_RANK_LAYOUTS[zero]."""
+def _planned(capsys, zero: int, mbs: int = 4) -> dict:
+    """The planner's prediction for the same tiny model and layout as TWO_RANK_LAYOUTS[zero] (mbs 1:
+    the gradient-accumulation one, four micro-batches per rank)."""
     import json
 
     from fivefold.plan.cli import run_plan
@@ -95,7 +96,7 @@ def _planned(capsys, zero: int) -> dict:
             for key, value in BASE[section].items()]
     capsys.readouterr()
     assert run_plan([*args, "--cluster.gpu", "cpu", "--json",
-                     "--layout", f"dp=2,zero={zero},tp=1,pp=1,cp=1,ep=1,mbs=4"]) == 0
+                     "--layout", f"dp=2,zero={zero},tp=1,pp=1,cp=1,ep=1,mbs={mbs}"]) == 0
     return json.loads(capsys.readouterr().out)["candidates"][0]
 
 
@@ -112,3 +113,16 @@ def test_planner_predicts_measured_state_and_traffic(two_rank_results, capsys, z
     # zero 3: FSDP2 keeps the root unit gathered from forward to backward (1.3% less than 1.5x).
     tolerance = 0.02 if zero == 3 else 1e-6
     assert abs(predicted["comm_bytes"]["dp"] - measured_dp) <= tolerance * measured_dp
+
+
+def test_zero3_reduce_scatters_every_micro_batch(two_rank_results, capsys):
+    """FSDP2 under gradient accumulation (4 micro-batches a rank) reduce-scatters each micro-batch's
+    gradients and keeps them sharded (parallel/data/fsdp.py), as the planner counts: the ledger's dp
+    bytes equal its 4 reduce-scatters and 8 gathers a step (once-a-step reduction moves 3 of the 4
+    gradients' bytes fewer and fails), and the gradients held are the shards."""
+    run = two_rank_results[0][7]
+    predicted = _planned(capsys, 3, mbs=1)
+    measured_dp = run.comm["dp"] - 8  # minus the float64 loss average, not modelled
+    assert abs(predicted["comm_bytes"]["dp"] - measured_dp) <= 0.02 * measured_dp, (predicted["comm_bytes"], measured_dp)
+    want, got = run.state_bytes["grads"], predicted["memory_bytes"]["grads"]
+    assert abs(got - want) <= 0.10 * want, f"zero 3 grads: predicted {got}, measured {want}"

@@ -43,6 +43,7 @@ def _extra_compute(work, layout, runtime) -> float:
     ("bf16", 0, FIVEFOLD_EAGER, lambda m, shard: 10),
     ("fp32", 1, FIVEFOLD_EAGER, lambda m, shard: 12 * (m - 1) / m),  # autograd adds in place after the first
     ("bf16", 3, FIVEFOLD_EAGER, lambda m, shard: 12 * (m - 1) / m / shard),  # FSDP2: into the fp32 shard
+    ("fp32", 3, FIVEFOLD_EAGER, lambda m, shard: 12 * (m - 1) / m / shard),
     ("bf16", 1, AUTOGRAD, lambda m, shard: 6 * (m - 1) / m),  # DeepSpeed: 16-bit .grad in place
 ])
 def test_each_micro_batch_passes_over_the_trained_weights(precision, zero, runtime, per_weight):
@@ -71,3 +72,13 @@ def test_the_pass_weighs_most_where_a_rank_holds_many_weights_for_few_tokens():
         work, layout = _workload(batch=64), Layout(dp=4, zero=1, mbs=mbs)
         return _extra_compute(work, layout, FIVEFOLD_EAGER) / estimate(work, layout, A100, FIVEFOLD_EAGER).step_time_s
     assert share(1) > 4 * share(8) > 0
+
+
+def test_under_a_pipeline_fsdp2_accumulates_whole_fp32_gradients():
+    """PyTorch's pipeline stage reduce-scatters once a step: FSDP2 upcasts the first micro-batch's
+    whole bf16 gradient (2 + 4 bytes a weight) and adds the later ones into it (2 + 4 + 4)."""
+    work, layout = _workload(batch=32), Layout(dp=2, pp=2, zero=3, mbs=1)
+    m = layout.micro_batches(work.global_batch)
+    assert accumulation_bytes_per_weight(work.precision, layout, FIVEFOLD_EAGER, m) == pytest.approx(
+        (6 + 10 * (m - 1)) / m)
+    assert accumulation_bytes_per_weight(PRECISIONS["fp32"], layout, FIVEFOLD_EAGER, m) == pytest.approx(12 * (m - 1) / m)

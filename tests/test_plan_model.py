@@ -236,10 +236,11 @@ def test_dp_bytes_by_zero_stage():
     g, p = w.precision.reduce_bytes, w.precision.param_bytes  # fp32 reduction, bf16 weights (#40)
     assert dp_bytes(0) == pytest.approx(2 * 7 / 8 * g * n, rel=1e-6)  # fp32 all-reduce
     assert dp_bytes(1) == pytest.approx(7 / 8 * (g * n + p * n), rel=1e-6)
-    # zero 3: gradients reduce-scattered once per step; every micro-batch gathers all weights in
-    # forward and the blocks' again in backward (the root unit -- embedding, norm -- stays gathered).
+    # zero 3: every micro-batch's gradients reduce-scattered (parallel/data/fsdp.py), all weights
+    # gathered in forward and the blocks' again in backward (the root unit -- embedding, norm --
+    # stays gathered).
     root = w.stats.vocab_size * w.stats.dim + w.stats.dim  # tied 1B: one table + final norm
-    assert dp_bytes(3) == pytest.approx(7 / 8 * (g * n + m * (p * n + p * (n - root))), rel=1e-6)
+    assert dp_bytes(3) == pytest.approx(7 / 8 * m * (g * n + p * n + p * (n - root)), rel=1e-6)
 
 
 def test_more_dimensions_report_their_bytes():

@@ -255,20 +255,26 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
         elif runtime.fsdp_gather_once_in_pipeline and layout.pp > 1:
             # torchtitan under a pipeline: blocks stay gathered over all micro-batches of a step
             # (reshard_after_forward=False) and gradients are reduce-scattered once.
+            reductions = 1
             total_bytes += (n - 1) / n * (grads + weights)
             hidden += comm.gather_time(grads, link, hw, eff) + comm.gather_time(weights, link, hw, eff)
         else:
             # fivefold's FSDP2 units: every block is gathered in forward and again in backward
             # (once under the zero-bubble schedules, which keep blocks gathered in between); the
             # root unit (embedding, norm, output) stays gathered from forward to backward.
-            # Gradients are reduce-scattered once, after the step's last micro-batch.
+            # Gradients are reduce-scattered every micro-batch (parallel/data/fsdp.py); under a
+            # pipeline PyTorch's stage reduce-scatters once, after the step's last backward.
             regathered = 0.0 if layout.split_backward else weights - unit_root * pr.param_bytes
-            total_bytes += (n - 1) / n * (grads + m * (weights + regathered))
-            hidden += m * (comm.gather_time(grads, link, hw, eff)
-                           + (1 if layout.split_backward else 2) * comm.gather_time(weights, link, hw, eff))
+            reductions = 1 if layout.pp > 1 else m
+            total_bytes += (n - 1) / n * (reductions * grads + m * (weights + regathered))
+            hidden += (reductions * comm.gather_time(grads, link, hw, eff)
+                       + m * (1 if layout.split_backward else 2) * comm.gather_time(weights, link, hw, eff))
         if replicas > 1 and layout.zero > 0 and replicated:
-            total_bytes += 2 * (replicas - 1) / replicas * grads / n
-            hidden += comm.all_reduce_time(grads / n, replica_link, hw, eff)
+            # HSDP: the reduced shards are all-reduced across replicas: with each reduce-scatter
+            # under FSDP2, once a step under fivefold's own ZeRO-1/2 buckets.
+            across = reductions if layout.zero >= 3 else 1
+            total_bytes += across * 2 * (replicas - 1) / replicas * grads / n
+            hidden += across * comm.all_reduce_time(grads / n, replica_link, hw, eff)
     return total_bytes, hidden, ahead, exposed
 
 

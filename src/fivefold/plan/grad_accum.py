@@ -11,7 +11,9 @@ once per micro-batch, bound by memory bandwidth, on the compute stream (nothing 
   - Megatron's gradient-accumulation fusion: the weight-gradient GEMM accumulates into the fp32
     buffer in its epilogue, no pass of its own;
   - FSDP2 (zero 3) reduce-scatters every micro-batch's gradient and adds it into the rank's fp32
-    shard: the same in-place add, over 1/shard of the weights.
+    shard (parallel/data/fsdp.py): the same in-place add, over 1/shard of the weights. Under a
+    pipeline PyTorch's stage reduce-scatters once, after the last backward: FSDP2 upcasts the first
+    micro-batch's whole bf16 gradient to fp32 (2 + 4) and adds the later ones into it (2 + 4 + 4).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ def accumulation_bytes_per_weight(precision, layout, runtime, micro_batches: int
     later = (micro_batches - 1) / micro_batches  # the first micro-batch's gradient is stored, not added
     if runtime.grad_accum == "fused":
         return 0.0
+    if layout.zero >= 3 and layout.pp > 1:
+        if precision.param_bytes < 4:
+            return (6.0 + 10.0 * (micro_batches - 1)) / micro_batches
+        return 12.0 * later
     if layout.zero >= 3:
         return 12.0 * later / layout.shard_degree
     if runtime.grad_accum == "autograd":
