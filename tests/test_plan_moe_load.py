@@ -156,3 +156,26 @@ def test_cli_takes_a_measured_imbalance_and_refuses_a_bad_one():
         out = _plan("--moe-rank-imbalance", bad)
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert out.stderr.strip().count("\n") == 0 and "--moe-rank-imbalance must be a number >= 1" in out.stderr
+
+
+def test_cli_reads_the_imbalance_a_run_logged(tmp_path):
+    """A run's metrics.jsonl (docs/moe.md: moe_layers[*].rank_imbalance under ep): the median step's
+    mean over the MoE layers, the wait a step pays (each layer waits for its own busiest rank)."""
+    import json
+    metrics = tmp_path / "metrics.jsonl"
+    steps = [{"step": 1, "loss": 5.0, "moe_layers": {"0": {"rank_imbalance": 1.2}, "1": {"rank_imbalance": 1.6}}},
+             {"step": 2, "loss": 4.9},  # a step that logged no router metrics
+             {"step": 3, "loss": 4.8, "moe_layers": {"0": {"rank_imbalance": 1.1}, "1": {"rank_imbalance": 1.3}}},
+             {"step": 4, "loss": 4.7, "moe_layers": {"0": {"rank_imbalance": 1.5}, "1": {"rank_imbalance": 1.9}}}]
+    metrics.write_text("\n".join(json.dumps(s) for s in steps) + "\n")
+    out = _plan("--moe-rank-imbalance", str(metrics))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["candidates"][0]["moe_rank_imbalance"] == pytest.approx(1.4)  # median of 1.4, 1.2, 1.7
+    dense = tmp_path / "dense.jsonl"
+    dense.write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    for path, words in ((dense, "logs no rank_imbalance"), (broken, "line 1 of")):
+        out = _plan("--moe-rank-imbalance", str(path))
+        assert out.returncode == 2 and "Traceback" not in out.stderr and words in out.stderr
+        assert out.stderr.strip().count("\n") == 0

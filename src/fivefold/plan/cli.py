@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,7 +31,7 @@ USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100]
                      [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]
                      [--layouts FILE.jsonl] [--json] [--plot FILE.png] [--top K] [--sweep K]
                      [--framework fivefold|torchtitan|megatron|megatron-2022|megatron-deepspeed|nanotron|fms-fsdp]
-                     [--moe-rank-imbalance X]
+                     [--moe-rank-imbalance X|metrics.jsonl]
                      [--section.key value ...]
 
 Without --layout, searches the layouts of --cluster.gpus GPUs and ranks them by predicted
@@ -39,7 +41,8 @@ prints measured against predicted tokens/s and memory (use --cluster.gpu cpu on 
 --framework predicts the time as that framework runs the layout (what it overlaps: docs/planner.md);
 the default is fivefold's own (compiled when train.compile says so).
 --moe-rank-imbalance X: the busiest expert-parallel rank's routed tokens over the mean, as a run
-measured it (`moe_rank_imbalance` in metrics.jsonl); the default is the least random routing gives.
+measured it: a number, or the run's metrics.jsonl (the median step's mean over its MoE layers);
+the default is the least random routing gives.
 GPUs: """ + ", ".join(PROFILES)
 
 VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top", "--sweep", "--framework", "--moe-rank-imbalance")
@@ -137,18 +140,46 @@ def _top(flags: dict) -> int:
 
 
 def _imbalance(flags: dict) -> float:
-    """--moe-rank-imbalance: a measured max/mean load of the ep ranks (0 when not given)."""
+    """--moe-rank-imbalance: a measured max/mean load of the ep ranks, given as a number or as a
+    run's metrics.jsonl (0 when not given)."""
     if "moe_rank_imbalance" not in flags:
         return 0.0
     text = flags["moe_rank_imbalance"]
+    if Path(text).is_file():
+        return measured_rank_imbalance(Path(text))
+    if text.endswith((".jsonl", ".json")) or "/" in text:
+        raise PlanError(f"--moe-rank-imbalance: {text} does not exist; give a run's metrics.jsonl or a number")
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
     if not value >= 1.0 or value == float("inf"):
         raise PlanError(f"--moe-rank-imbalance must be a number >= 1 (the busiest expert-parallel rank's "
-                        f"tokens over the mean, e.g. 1.3), got '{text}'")
+                        f"tokens over the mean, e.g. 1.3) or a run's metrics.jsonl, got '{text}'")
     return value
+
+
+def measured_rank_imbalance(path: Path) -> float:
+    """The median over a run's logged steps of the mean over its MoE layers of each layer's busiest
+    ep rank's rows over the mean (`moe_layers[*].rank_imbalance` in metrics.jsonl): every layer waits
+    for its own busiest rank, so the layers' mean is what a step pays, not the worst layer's."""
+    per_step = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise PlanError(f"--moe-rank-imbalance: line {number} of {path} is not JSON; give the metrics.jsonl "
+                            "a run wrote, or a number") from None
+        layers = [layer["rank_imbalance"] for layer in (record.get("moe_layers") or {}).values()
+                  if isinstance(layer, dict) and "rank_imbalance" in layer]
+        if layers:
+            per_step.append(sum(layers) / len(layers))
+    if not per_step:
+        raise PlanError(f"--moe-rank-imbalance: {path} logs no rank_imbalance; a run with parallel.ep > 1 writes "
+                        "it in its metrics.jsonl")
+    return max(1.0, statistics.median(per_step))
 
 
 def _runtime(cfg, flags: dict):
