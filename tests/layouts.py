@@ -50,6 +50,28 @@ TP_WEIGHT_ATOL = 1e-4
 #   is near eps: tiny-qwen3 at seed 5, one byte seen once in 6 steps, one embedding element whose
 #   gradient was 2.2e-9 ends 1.8e-4 apart (losses within 1e-7, gradient norms 2e-6).
 CP_WEIGHT_ATOL = 3e-4
+
+
+def weight_atol(parallel: dict) -> float:
+    """The weight bound for a layout's parallel settings: tp's, else cp's, else the plain one."""
+    return (TP_WEIGHT_ATOL if parallel.get("tp", 1) > 1 else
+            CP_WEIGHT_ATOL if parallel.get("cp", 1) > 1 else WEIGHT_ATOL)
+
+
+# One dimension at a time on 2 ranks: what a model or family is checked under against one process
+# (tests/test_families.py, tests/test_mlp_activation.py).
+ONE_DIMENSION = {
+    "dp2 z0": {"dp": 2, "zero": 0},
+    "dp2 z1": {"dp": 2, "zero": 1},
+    "dp2 z3": {"dp": 2, "zero": 3},
+    "tp2 sp": {"tp": 2, "sp": True},
+    "tp2 no-sp": {"tp": 2, "sp": False},
+    "pp2 1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+    "pp2 zbv": {"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
+    "cp2 ring": {"cp": 2, "cp_method": "ring"},
+    "cp2 allgather": {"cp": 2, "cp_method": "allgather"},
+    "cp2 ulysses": {"cp": 2, "cp_method": "ulysses"},
+}
 NOISE_MARGIN = 4.0
 
 

@@ -17,7 +17,7 @@ dp2·tp2·pp2·cp2(·ep2) layout of each family is in test_composition.py.)
 
 import pytest
 
-from layouts import CP_WEIGHT_ATOL, LOSS_RTOL, TP_WEIGHT_ATOL, WEIGHT_ATOL, assert_same_run, reference, run_layout
+from layouts import LOSS_RTOL, ONE_DIMENSION, assert_same_run, reference, run_layout, weight_atol
 from ranks import run_on_ranks
 
 FAMILIES = {
@@ -31,18 +31,6 @@ MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 # summation order alone (tests/layouts.py); the bounds would follow, but leave less to catch.
 TRAIN = {"micro_batch": 1, "seed": 5}
 
-DIMENSIONS = {
-    "dp2 z0": {"dp": 2, "zero": 0},
-    "dp2 z1": {"dp": 2, "zero": 1},
-    "dp2 z3": {"dp": 2, "zero": 3},
-    "tp2 sp": {"tp": 2, "sp": True},
-    "tp2 no-sp": {"tp": 2, "sp": False},
-    "pp2 1f1b": {"pp": 2, "pp_schedule": "1f1b"},
-    "pp2 zbv": {"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
-    "cp2 ring": {"cp": 2, "cp_method": "ring"},
-    "cp2 allgather": {"cp": 2, "cp_method": "allgather"},
-    "cp2 ulysses": {"cp": 2, "cp_method": "ulysses"},
-}
 MOE_ONLY = {
     "dp2 ep2": {"dp": 2, "ep": 2},
     "cp2 ep2": {"cp": 2, "ep": 2},
@@ -55,7 +43,7 @@ TIED_MTP = {"pp2 1f1b tied": {"pp": 2, "pp_schedule": "1f1b"}, "tp2 tied": {"tp"
 
 
 def layouts_of(family: str) -> dict[str, dict]:
-    dims = {**DIMENSIONS, **(MOE_ONLY if family in MOE_FAMILIES else {})}
+    dims = {**ONE_DIMENSION, **(MOE_ONLY if family in MOE_FAMILIES else {})}
     out = {name: {"model": FAMILIES[family], "parallel": parallel, "train": TRAIN} for name, parallel in dims.items()}
     if family == "deepseek_v3":
         out.update({name: {"model": {**FAMILIES[family], "tie_embeddings": True}, "parallel": parallel, "train": TRAIN}
@@ -110,10 +98,8 @@ def test_layout_equals_one_process(two_rank_results, family, name):
     layout = layouts_of(family)[name]
     want = reference({"model": layout["model"], "train": layout["train"]})
     for rank, results in enumerate(two_rank_results):
-        parallel = layout["parallel"]
-        atol = (TP_WEIGHT_ATOL if parallel.get("tp", 1) > 1 else
-                CP_WEIGHT_ATOL if parallel.get("cp", 1) > 1 else WEIGHT_ATOL)
-        assert_same_run(results["runs"][(family, name)], want, weight_atol=atol, label=f"{family} {name} rank {rank}")
+        assert_same_run(results["runs"][(family, name)], want, weight_atol=weight_atol(layout["parallel"]),
+                        label=f"{family} {name} rank {rank}")
 
 
 @pytest.mark.parametrize("family, name", RESHARD_CASES, ids=[f"{f} {n}" for f, n in RESHARD_CASES])

@@ -13,19 +13,12 @@ from fivefold.config import ConfigError
 from fivefold.configure import load_config, validate
 from fivefold.models import build_model
 from fivefold.plan.model_stats import model_stats
-from layouts import CP_WEIGHT_ATOL, TP_WEIGHT_ATOL, WEIGHT_ATOL, assert_same_run, reference, run_layout
+from layouts import ONE_DIMENSION, assert_same_run, reference, run_layout, weight_atol
 from ranks import run_on_ranks
 
 TRAIN = {"micro_batch": 1}
-LAYOUTS = {
-    "dp2 z1": {"dp": 2, "zero": 1},
-    "dp2 z3": {"dp": 2, "zero": 3},
-    "tp2 sp": {"tp": 2, "sp": True},
-    "tp2 no-sp": {"tp": 2, "sp": False},
-    "pp2 1f1b": {"pp": 2, "pp_schedule": "1f1b"},
-    "pp2 zbv": {"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2},
-    "cp2 ring": {"cp": 2},
-}
+LAYOUTS = {name: ONE_DIMENSION[name] for name in ("dp2 z1", "dp2 z3", "tp2 sp", "tp2 no-sp", "pp2 1f1b", "pp2 zbv",
+                                                  "cp2 ring")}
 ACTIVATIONS = ("gelu", "relu2")
 CASES = [(act, name) for act in ACTIVATIONS for name in LAYOUTS]
 
@@ -70,11 +63,9 @@ def two_rank_results():
 @pytest.mark.parametrize("act, name", CASES, ids=[f"{a} {n}" for a, n in CASES])
 def test_layout_equals_one_process(two_rank_results, act, name):
     want = reference(_settings(act))
-    parallel = LAYOUTS[name]
-    atol = (TP_WEIGHT_ATOL if parallel.get("tp", 1) > 1 else
-            CP_WEIGHT_ATOL if parallel.get("cp", 1) > 1 else WEIGHT_ATOL)
     for rank, results in enumerate(two_rank_results):
-        assert_same_run(results[(act, name)], want, weight_atol=atol, label=f"{act} {name} rank {rank}")
+        assert_same_run(results[(act, name)], want, weight_atol=weight_atol(LAYOUTS[name]),
+                        label=f"{act} {name} rank {rank}")
 
 
 def test_the_activations_make_other_models(two_rank_results):

@@ -27,9 +27,9 @@ from fivefold.plan.workload import PRECISIONS, Workload
 H100 = hardware_for("h100")
 
 
-def _workload(n_experts=64, top_k=8, seq=4096, **moe):
+def _workload(n_experts=64, top_k=8, seq=4096, expert_ffn=2048, **moe):
     model = ModelConfig(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
-                        max_seq_len=seq, moe=MoEConfig(n_experts=n_experts, top_k=top_k, expert_ffn_dim=2048))
+                        max_seq_len=seq, moe=MoEConfig(n_experts=n_experts, top_k=top_k, expert_ffn_dim=expert_ffn))
     return Workload(stats=model_stats(model), seq_len=seq, global_batch=64, precision=PRECISIONS["bf16"], **moe)
 
 
@@ -112,10 +112,7 @@ def _expert_seconds(layout) -> float:
     """The experts' share of an even step: the step with experts twice as wide, minus the even step
     (FLOPs and GEMMs of this size grow about linearly with the width)."""
     def step_compute(ffn):
-        model = ModelConfig(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
-                            max_seq_len=4096, moe=MoEConfig(n_experts=64, top_k=8, expert_ffn_dim=ffn))
-        w = Workload(stats=model_stats(model), seq_len=4096, global_batch=64, precision=PRECISIONS["bf16"],
-                     moe_rank_imbalance=1.0)
+        w = _workload(expert_ffn=ffn, moe_rank_imbalance=1.0)
         return estimate(w, layout, H100, FIVEFOLD_EAGER).time_parts["compute"]
     return step_compute(4096) - step_compute(2048)
 

@@ -98,9 +98,10 @@ def _float8_flops_per_token(stats, groups, seq: int) -> float:
 
 
 def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
-                     prank: PipelineRank, links: dict) -> tuple[dict, dict]:
+                     prank: PipelineRank, links: dict, m: int, imbalance: float) -> tuple[dict, dict]:
     """(seconds by cause, bytes by dimension) of one micro-batch's forward + backward on one
-    pipeline rank."""
+    pipeline rank; m micro-batches a step, `imbalance` the busiest ep rank's routed rows over the
+    mean (plan/expert_load.py), which sets an MoE layer's pace."""
     stats, pr, seq = workload.stats, workload.precision, workload.seq_len
     groups = prank.kinds
     n_layers = len(prank.layers)
@@ -119,8 +120,6 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     fp8 = bool(workload.fp8) and hw.has_fp8
     speedup = runtime.float8_linear_speedup if fp8 else 1.0
     rows = tokens_local / layout.tp  # tokens per rank-share of a per-token FLOP count
-    # The busiest ep rank's share of the routed rows sets an MoE layer's pace (plan/expert_load.py).
-    imbalance = rank_imbalance(workload, layout)
     compute = attention = expert_wait = 0.0
     for layer, count in groups:
         moe = stats.is_moe(layer)
@@ -152,8 +151,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     # weights (plan/grad_accum.py).
     trained = (sum(adapter_param_counts(stats, layout, prank, workload.lora)) if workload.lora.rank
                else sum(rank_param_counts(stats, layout, prank)))
-    compute += trained * accumulation_bytes_per_weight(
-        pr, layout, runtime, layout.micro_batches(workload.global_batch)) / hw.hbm_bw
+    compute += trained * accumulation_bytes_per_weight(pr, layout, runtime, m) / hw.hbm_bw
 
     # Tensor parallelism: 8 collectives per layer and 2 for the output projection in the compute
     # dtype, 2 for the vocab-parallel embedding in the residual stream's (the weights') dtype; each
@@ -286,11 +284,12 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     m = layout.micro_batches(workload.global_batch)
     links = {d: comm.placement(layout, order, (d,), gpn) for d in ("tp", "cp", "pp")}
     links["ep"] = comm.expert_links(layout, order, gpn)[0]
+    imbalance = rank_imbalance(workload, layout)
 
     ranks = pipeline_ranks(stats, layout, workload.seq_len)
     t_mb, worst, per_mb_bytes = 0.0, None, {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
     for prank in ranks:
-        seconds, nbytes = _rank_microbatch(workload, layout, hw, runtime, prank, links)
+        seconds, nbytes = _rank_microbatch(workload, layout, hw, runtime, prank, links, m, imbalance)
         rank_time = sum(seconds.values())
         if worst is None or rank_time > t_mb:
             t_mb, worst = rank_time, seconds
@@ -372,4 +371,4 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                     bubble_fraction=bubble_fraction(layout, m), comm_bytes=comm_bytes,
                     time_parts=parts, error=runtime.tokens_per_sec_error, profile=runtime.name,
                     overlaps=runtime.overlaps, muon=muon.to_json() if muon else {},
-                    moe_rank_imbalance=rank_imbalance(workload, layout))
+                    moe_rank_imbalance=imbalance)
