@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from fivefold.config.confined import inside
 from fivefold.config.errors import ConfigError, require as _require
 from fivefold.config.manifest import read_manifest
 from fivefold.config.schema import Config
@@ -83,6 +84,21 @@ def _tokenizer_size(path: str) -> int:
     return read_tokenizer(path, "data.tokenizer").get_vocab_size()
 
 
+def _check_tokens_fit(cfg: Config, key: str, folder: str, manifest: dict) -> None:
+    """A prepared folder's shards lie inside it, and its largest token id (recorded by `prepare`)
+    is one the model has an embedding row for: else the first step fails on an index error."""
+    shards = manifest.get("shards")
+    _require(isinstance(shards, list) and all(isinstance(s, dict) and "file" in s for s in shards),
+             f"{Path(folder) / 'manifest.json'} lists no shards; prepare the folder again")
+    for shard in shards:
+        inside(folder, shard["file"], Path(folder) / "manifest.json")
+    largest = manifest.get("max_token_id")
+    if isinstance(largest, int):  # folders prepared before it was recorded are checked batch by batch
+        _require(largest < cfg.model.vocab_size, f"{key} folder '{folder}' holds token id {largest}, but "
+                 f"model.vocab_size={cfg.model.vocab_size} gives ids 0..{cfg.model.vocab_size - 1}; raise "
+                 f"model.vocab_size to at least {largest + 1}, or prepare the data with the model's tokenizer")
+
+
 def _check_prepared_data(cfg: Config) -> None:
     """data.source = a prepared folder, or data.mix = several: the tokenizer is the manifest's."""
     d, m = cfg.data, cfg.model
@@ -102,6 +118,7 @@ def _check_prepared_data(cfg: Config) -> None:
             _check_chat_folder(cfg, folder, manifest)
         if d.document_mask:
             check_documents(f"{key} folder '{folder}'", manifest["documents"])
+        _check_tokens_fit(cfg, key, folder, manifest)
         tokenizer = manifest["tokenizer"]
         _require(tokenizer["vocab_size"] <= m.vocab_size, f"'{folder}' was prepared with a tokenizer of "
                  f"{tokenizer['vocab_size']} tokens but model.vocab_size={m.vocab_size}; raise model.vocab_size "

@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fivefold.config import ConfigError, ModelConfig
+from fivefold.config.confined import inside
 from fivefold.config.file_errors import guarded
 from fivefold.models import build_meta_model
 from fivefold.models.hf import DEFAULT_SHARD_BYTES, config_from_hf, hf_config_from
@@ -171,8 +172,12 @@ class HFBoxes:
         if index.is_file():
             with guarded(index, "read", REDO, f"index ({INDEX} with a weight_map)",
                          formats=(ValueError, KeyError, TypeError, AttributeError)):
-                return {name: self.folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+                weight_map = json.loads(index.read_text())["weight_map"]
+            # the index is untrusted like the rest of the folder: its files stay inside it
+            return {name: inside(self.folder, file, index) for name, file in weight_map.items()}
         files = sorted(self.folder.glob("*.safetensors"))
+        for file in files:  # a symlink leading out of the folder is not part of it
+            inside(self.folder, file.name, f"Hugging Face folder {self.folder}")
         if not files:
             other = [p.name for p in self.folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
             hint = (f"; it has {', '.join(sorted(other))}, which fivefold does not read because pickle files "

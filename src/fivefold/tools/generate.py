@@ -14,6 +14,7 @@ prints the assistant's reply. No KV cache: each new token runs the model over th
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -87,6 +88,9 @@ def generate(checkpoint, prompt: str, tokens: int = 200, temperature: float = 0.
         ids = torch.as_tensor(tok.encode(prompt), dtype=torch.long)[None]
     if ids.numel() == 0:
         raise ConfigError(f"--prompt {prompt!r} encodes to no tokens; give some text to continue")
+    note = window_note(ids.shape[1], tokens, window)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     generator = torch.Generator().manual_seed(seed)
     new: list[int] = []
     with torch.no_grad():
@@ -104,6 +108,20 @@ def generate(checkpoint, prompt: str, tokens: int = 200, temperature: float = 0.
     if chat:
         return tok.decode(new), new
     return prompt + _continuation(tok, ids[0].tolist(), len(new)), new
+
+
+def window_note(prompt_tokens: int, tokens: int, window: int) -> str | None:
+    """What generation does when the text outgrows the model's window (model.max_seq_len): the
+    model only ever reads its last `window` tokens, so the start of a long prompt is never seen."""
+    if prompt_tokens > window:
+        return (f"note: the prompt is {prompt_tokens} tokens but the model reads at most {window} "
+                f"(model.max_seq_len); it continues from the prompt's last {window} tokens, and its first "
+                f"{prompt_tokens - window} are not read")
+    if prompt_tokens + tokens > window:
+        return (f"note: the prompt ({prompt_tokens} tokens) and --tokens {tokens} pass the model's "
+                f"{window}-token window (model.max_seq_len); past it, each new token is predicted from the "
+                f"last {window} tokens only")
+    return None
 
 
 def chat_prompt(tokenizer: str, prompt: str, system: str = "", template_file: str = "") -> tuple[list[int], int | None]:

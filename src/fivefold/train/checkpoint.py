@@ -36,12 +36,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fivefold.config import Config, ConfigError, to_toml
+from fivefold.config.confined import inside, outside
 from fivefold.config.file_errors import guarded
 from fivefold.train import checkpoint_manifest, resume_checks, resume_optimizer, sharded_io
 from fivefold.train.load_failures import EARLIER, state_problem, unreadable
 from fivefold.train.lora_base import check_lora_resume, lora_state
 from fivefold.train.save_failures import save_problem, storage_error
 from fivefold.train.faults import restart_count
+from fivefold.train.rerun import refuse_restart_over
 
 FORMAT = 2  # 1: whole tensors in safetensors; 2: DCP shards
 LATEST = "latest"
@@ -104,6 +106,7 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
 
     root = checkpoint_root(cfg)
     wait_for_save()  # one write at a time, in step order
+    started = time.perf_counter()  # the console's seconds: from here to the checkpoint named by `latest`
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{final.name}"
     if is_main:
@@ -134,10 +137,10 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
                                                           for o, t in p.boxes])
                   for k, p in tensors.items()}  # host copies: training may change the originals
         _writer = threading.Thread(target=_write_catching, name="checkpoint-writer",
-                                   args=(cfg, root, tmp, final, staged, state, is_main, _async_group))
+                                   args=(cfg, root, tmp, final, staged, state, is_main, _async_group, started))
         _writer.start()
     else:
-        _write(cfg, root, tmp, final, tensors, state, is_main, None)
+        _write(cfg, root, tmp, final, tensors, state, is_main, None, started)
         _barrier()  # no rank runs ahead (or dies) before the checkpoint is complete
     return final
 
@@ -160,9 +163,9 @@ def _write_catching(*args) -> None:
 
 
 def _write(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state: dict, is_main: bool,
-           group) -> None:
+           group, started: float) -> None:
     try:
-        _write_files(cfg, root, tmp, final, tensors, state, is_main, group)
+        _write_files(cfg, root, tmp, final, tensors, state, is_main, group, started)
     except (OSError, CheckpointException) as err:  # DCP wraps each rank's error in the latter
         cause = storage_error(err)
         if cause is None:
@@ -173,7 +176,7 @@ def _write(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state
 
 
 def _write_files(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state: dict, is_main: bool,
-                 group) -> None:
+                 group, started: float) -> None:
     # DCP's save returns on rank 0 only after every rank's pieces are written and the metadata is.
     sharded_io.save(tensors, tmp, process_group=group)
     data_files = checkpoint_manifest.gather_files(tmp, group)  # each rank checksums what it wrote
@@ -191,11 +194,27 @@ def _write_files(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict,
             raise _foreign(final)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    latest_tmp = root / f".tmp-{LATEST}"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / LATEST)
+    newer = _newer_latest(root, final.name)
+    if newer is None:  # `latest` never moves back to an older step (a later resume=auto continues the newest)
+        latest_tmp = root / f".tmp-{LATEST}"
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, root / LATEST)
     _fsync_dir(root)
     _prune(root, cfg.checkpoint.keep, keep_name=final.name)
+    size = sum(d[0] for d in json.loads((final / checkpoint_manifest.MANIFEST).read_text())["files"].values())
+    print(f"saved step {state['step']} to {final} ({size / 2**20:,.1f} MiB in {time.perf_counter() - started:.1f} s)"
+          + (f"; {root / LATEST} stays at the newer {newer}" if newer else ""), flush=True)
+
+
+def _newer_latest(root: Path, name: str) -> str | None:
+    """The step folder `latest` names when it is newer than `name` and whole, else None."""
+    try:
+        current = (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+    if current > name and outside(root, current) is None and (root / current / checkpoint_manifest.MANIFEST).is_file():
+        return current
+    return None
 
 
 def _foreign(path: Path) -> ConfigError:
@@ -234,13 +253,14 @@ def resolve(cfg: Config) -> Path | None:
         root = checkpoint_root(cfg)
         if root is not None and (root / LATEST).is_file():
             return newest_whole(root, full)
-    if mode == "none":
-        return None
-    if mode == "auto":
+    if mode in ("none", "auto"):
         root = checkpoint_root(cfg)
-        if root is None or not (root / LATEST).is_file():
-            return None
-        return newest_whole(root, full)
+        has_checkpoint = root is not None and (root / LATEST).is_file()
+        if mode == "auto" and has_checkpoint:
+            return newest_whole(root, full)
+        if restart_count() == 0:  # a restart goes back to where its first attempt started
+            refuse_restart_over(cfg, root, has_checkpoint)
+        return None
     path = Path(mode)
     if (path / "state.json").is_file():
         damage = _damage(path, full)
@@ -277,8 +297,10 @@ def newest_whole(root: Path, full: bool = False) -> Path:
     """The newest checkpoint under `root` that verifies, warning about each damaged newer one."""
     # fivefold's own step folders (a foreign one named alike is not ours to read) and what `latest` names
     with guarded(root / LATEST, "read", "or set checkpoint.resume to a step_N folder"):
-        latest = root / (root / LATEST).read_text().strip()
-    candidates = sorted({p for p in root.glob(f"{PREFIX}*") if (p / MARKER).is_file()} | {latest}, reverse=True)
+        latest = inside(root, (root / LATEST).read_text().strip(), root / LATEST)
+    # A step folder that is a symlink leading out of the root is not one of this root's checkpoints.
+    candidates = sorted({p for p in root.glob(f"{PREFIX}*") if (p / MARKER).is_file() and outside(root, p.name) is None}
+                        | {latest}, reverse=True)
     damaged = []
     for path in candidates:
         damage = (_damage(path, full) if (path / "state.json").is_file() else "state.json is missing"
@@ -295,7 +317,7 @@ def newest_whole(root: Path, full: bool = False) -> Path:
 
 def follow_latest(root: Path) -> Path:
     name = (root / LATEST).read_text().strip()
-    path = root / name
+    path = inside(root, name, root / LATEST)
     if not (path / "state.json").is_file():
         raise ConfigError(f"checkpoint {root / LATEST} names '{name}', which is missing or incomplete; "
                           f"delete {root / LATEST} or point checkpoint.resume at a complete step_N folder")
@@ -340,6 +362,8 @@ def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     resume_checks.check_model(path, state, cfg)
     check_lora_resume(path, state, cfg)
     weights_only = bool(state.get("weights_only"))  # imported weights (fivefold convert)
+    if not weights_only:  # its data position comes back too
+        resume_checks.check_data_position(path, state, cfg)
     stored = sharded_io.shapes(path)
     then = resume_optimizer.saved_train(state, cfg.train)
     check_shapes(path, stored, expected_tensors(cfg.model, with_optimizer=not weights_only, train=then, lora=cfg.lora),

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from fivefold.config.confined import outside
+
 MANIFEST = "manifest.json"
 SMALL_FILES = (".metadata", "state.json", "config.toml")  # written by rank 0
 _CHUNK = 8 << 20
@@ -69,8 +71,15 @@ def problem(folder: Path, share: tuple[int, int] = (0, 1), checksums: bool = Tru
         return f"{MANIFEST} is missing (the save did not finish)"
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{MANIFEST} is unreadable ({err})"
+    if not isinstance(recorded, dict):
+        return f"{MANIFEST} is unreadable (its files are not a table of names)"
     names = sorted(recorded)
     for name in names:
+        why = outside(folder, name)
+        if why is not None:  # a crafted manifest: never stat or checksum a file outside the checkpoint
+            return f"{MANIFEST} names '{name}', which {why} (a checkpoint names only files inside its folder)"
+        if not (isinstance(recorded[name], list) and len(recorded[name]) == 2):
+            return f"{MANIFEST} lists '{name}' without its [size, CRC-32]"
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"

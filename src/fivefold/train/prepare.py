@@ -127,6 +127,10 @@ def _plan(sources: list[str], tokenizer: str, field: str, unit_bytes: int, chat=
             "text_field": field, "separator": "\n", "unit_bytes": unit_bytes,
             "sources": [{"path": str(p), "bytes": p.stat().st_size} for p in files],
             "units": plan_units(files, unit_bytes)}
+    if not plan["units"]:  # every source is empty: nothing to tokenize, and no folder to make
+        names = ", ".join(str(p) for p in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        raise ConfigError(f"{names} {'is' if len(files) == 1 else 'are'} empty (0 bytes of text), so there is "
+                          "nothing to prepare; give fivefold prepare files that hold text")
     return plan if chat is None else {**plan, **chat.plan_fields()}
 
 
@@ -233,6 +237,20 @@ def _run_units(out: Path, plan: dict, todo: list[int], workers: int, advance, ch
     return done
 
 
+def _largest_token(out: Path, n_units: int, dtype: str) -> int:
+    """The largest token id over every shard, read through memory maps in bounded chunks."""
+    largest = -1
+    for index in range(n_units):
+        path = _shard_names(out, index)[0]
+        if not path.stat().st_size:  # a unit of empty texts (numpy cannot map an empty file)
+            continue
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+        for start in range(0, len(tokens), 1 << 24):
+            largest = max(largest, int(tokens[start:start + (1 << 24)].max()))
+        del tokens
+    return largest
+
+
 def _write_document_index(out: Path, counts: list[tuple]) -> None:
     """documents.npy: every document's start in the whole stream, streamed shard by shard."""
     tmp = out / ("." + DOCUMENTS + ".tmp")
@@ -277,10 +295,15 @@ def _prepare(sources, tokenizer: str, folder: Path, workers, text_field: str, un
         counts.update(_run_units(folder, plan_for_workers, todo, workers or os.cpu_count() or 1,
                                  lambda unit: bar.advance(task), chat))
     ordered = [counts[i] for i in range(len(units))]
+    if not sum(c[0] for c in ordered):  # e.g. JSON lines whose texts are all empty
+        raise ConfigError(f"the sources hold no text to tokenize (0 tokens from "
+                          f"{len(plan['sources'])} file(s)); check --text-field and give files that hold text")
     _write_document_index(folder, ordered)
     shards = [{"file": _shard_names(folder, i)[0].name, "tokens": t, "documents": d, "pieces": units[i]}
               for i, (t, d, _) in enumerate(ordered)]
     manifest = {key: plan[key] for key in plan if key != "units"}
+    # The largest id, so that a run checks it against model.vocab_size before its first step.
+    manifest["max_token_id"] = _largest_token(folder, len(units), plan["dtype"])
     manifest.update(plan_sha256=_plan_digest(plan), tokens=sum(c[0] for c in ordered),
                     documents=sum(c[1] for c in ordered), shards=shards)
     if chat is not None:

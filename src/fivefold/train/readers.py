@@ -153,7 +153,9 @@ def plan_units(files: list[Path], unit_bytes: int) -> list[list[dict]]:
     size = unit_bytes  # start a new unit with the first piece
     for path in files:
         for piece in _pieces(path, unit_bytes):
-            if size + piece.size > unit_bytes:
+            if piece.size <= 0:  # an empty file holds no text (prepare refuses when all are empty)
+                continue
+            if size + piece.size > unit_bytes or not units:
                 units.append([])
                 size = 0
             units[-1].append(piece.as_dict())

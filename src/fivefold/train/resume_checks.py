@@ -56,3 +56,20 @@ def changed_training_keys(state: dict, cfg: Config) -> list[str]:
     saved_train = {**BEFORE_THE_KEY, **state.get("train", {})}
     return (_changed(saved_train, cfg.to_dict()["train"], "train")
             + _changed(saved_training, {k: now[k] for k in TRAINING_KEYS}, "model"))
+
+
+# [train] keys the saved data position depends on: step k's batch is windows of seq_len tokens drawn
+# global_batch at a time in the seed's order, so the position means nothing under other values.
+DATA_POSITION_KEYS = ("seq_len", "global_batch", "seed")
+
+
+def check_data_position(path: Path, state: dict, cfg: Config) -> None:
+    """Refuse, naming the key, a resume whose data position cannot carry over."""
+    saved = state.get("train", {})
+    now = cfg.to_dict()["train"]
+    for key in DATA_POSITION_KEYS:
+        if key in saved and saved[key] != now[key]:
+            raise ConfigError(f"checkpoint {path} trained with train.{key} = {saved[key]!r} and this run has "
+                              f"train.{key} = {now[key]!r}: its data position (step {state.get('step')}) counts "
+                              f"batches under the old value and cannot continue under the new one; resume with "
+                              f"train.{key} = {saved[key]!r}, or start a new run in another log.dir")

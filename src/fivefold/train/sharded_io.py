@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from fivefold.config import ConfigError
+from fivefold.train.checkpoint_bounds import check_metadata
 
 
 @dataclass
@@ -151,6 +152,7 @@ class SafeReader(dcp.FileSystemReader):
                               "resume from an earlier checkpoint") from None
         if not isinstance(metadata, Metadata):
             raise ConfigError(f"checkpoint file {path} does not hold checkpoint metadata")
+        check_metadata(Path(str(self.path)), metadata)  # before DCP opens a file or anything is allocated
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fivefold.config.confined import inside
 from fivefold.config.file_errors import FileProblem, guarded, need_file
 from fivefold.config.manifest import MANIFEST, read_manifest
 
@@ -32,7 +33,8 @@ class TokenShards:
         self.folder = Path(folder)
         self.manifest = read_manifest(folder)
         self.dtype = np.dtype(self.manifest["dtype"])
-        self.files = [self.folder / s["file"] for s in self.manifest["shards"]]
+        # the manifest is untrusted input: every shard it lists lies inside the folder
+        self.files = [inside(self.folder, s["file"], self.folder / MANIFEST) for s in self.manifest["shards"]]
         sizes = np.array([s["tokens"] for s in self.manifest["shards"]], dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self.shard_starts[-1])
@@ -47,6 +49,16 @@ class TokenShards:
         self.mask_files = [f.with_name(f.name[:-len(".bin")] + ".mask.bin") for f in self.files]
         self._mask_maps: dict[int, np.memmap] = {}
         self._check_sizes()
+
+    def check_ids(self, tokens: np.ndarray) -> None:
+        """Every id below the tokenizer's vocabulary (itself at most model.vocab_size, validated):
+        a shard altered after `prepare`, or a manifest that understates its largest id, is one
+        sentence instead of an index error inside the model's embedding. A max over the batch."""
+        largest = int(tokens.max()) if tokens.size else 0
+        if largest >= self.vocab_size or (tokens.size and int(tokens.min()) < 0):
+            raise FileProblem(f"{self.folder} holds token id {largest}, but its tokenizer has {self.vocab_size} "
+                              f"tokens ({self.folder / MANIFEST}): the shards were altered after they were "
+                              f"prepared; {self._fix()}")
 
     def _fix(self) -> str:
         return f"prepare the folder again (`fivefold prepare SRC... --out {self.folder}`) or restore it from a copy"
@@ -168,7 +180,11 @@ class MappedSplit:
         import torch  # here, not at the top: prepare's worker processes use this module without torch
 
         rows = [self._read(int(i) * self.seq_len, self.seq_len + 1) for i in np.asarray(indices).tolist()]
-        return torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, self.seq_len + 1, dtype=torch.int64)
+        if not rows:
+            return torch.zeros(0, self.seq_len + 1, dtype=torch.int64)
+        batch = np.stack(rows)
+        self.shards.check_ids(batch)
+        return torch.from_numpy(batch)
 
     @property
     def has_loss_mask(self) -> bool:

@@ -25,7 +25,7 @@ from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
 from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
-from fivefold.train import checkpoint, export, faults, hangs, observe, preemption
+from fivefold.train import checkpoint, export, faults, folder_lock, hangs, observe, preemption
 from fivefold.train.checkpoint_space import space_warning
 from fivefold.train.data import load_training_data
 from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, NonFiniteSteps, cuda_memory, peak_flops
@@ -65,6 +65,8 @@ def setup(cfg: Config, rt: Runtime | None = None) -> tuple[Runtime, Parallelized
     rt = rt or runtime_from_env()
     validate(cfg, rt.world_size)
     check_supported(cfg)
+    if rt.is_main:  # one job per folder (train/folder_lock.py), refused before any process group
+        folder_lock.hold_run_folders(cfg)
     init_process_group(rt, cfg.parallel.timeout_s, cfg.parallel.backend)
     dims = ParallelDims.from_config(cfg.parallel)
     model = build_meta_model(cfg.model, cfg.lora)  # each rank materialises only its pieces, in parallelize
@@ -179,9 +181,10 @@ def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
                                     tokenizer=export.data_tokenizer(cfg.data.tokenizer, cfg.data.source))
             kind = "a PEFT adapter folder" if cfg.lora.rank else "a Hugging Face folder"
             print(f"exported step {t.steps} as {kind}: {cfg.checkpoint.export_hf}", flush=True)
-    finally:  # every way out: the metrics flushed, the reader thread stopped
+    finally:  # every way out: the metrics flushed, the reader thread stopped, the folders let go
         prefetcher.close()
         writer.close()
+        folder_lock.release_all()
     return result
 
 
@@ -278,9 +281,9 @@ class StepRecords:
 
 
 def save_if_due(cfg: Config, step: int, par, optimizer, scheduler, sampler, rt: Runtime) -> bool:
-    """Save at every checkpoint.every steps, and at the last step when the run exports (the
-    export reads that checkpoint); whether it saved."""
-    due = bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0
+    """Save at every checkpoint.every steps and at the last step (the run's result, and what the
+    export reads); whether it saved."""
+    due = bool(cfg.checkpoint.every) and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps)  # the last too
     due = due or (bool(cfg.checkpoint.export_hf) and step == cfg.train.steps)
     if due:
         checkpoint.save(cfg, step, par, optimizer, scheduler, sampler, rt.is_main)
