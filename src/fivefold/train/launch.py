@@ -25,6 +25,7 @@ from fivefold.config import ConfigError
 from fivefold.configure import load_config
 from fivefold.config.file_errors import FileProblem
 from fivefold.train.faults import ERROR_DIR
+from fivefold.train.launch_failures import launch_problem
 
 
 def launched_by_torchrun() -> bool:
@@ -67,6 +68,9 @@ def worker(config_path: str | None, overrides: list[str]) -> None:
         raise SystemExit(preemption.EXIT_CODE) from None
     except Exception as err:
         failure = faults.describe(err, cfg, rank)
+        met = _env_launch_problem(err, cfg)
+        if met is not None:  # the process group never formed: its address, and the fix
+            failure = faults.Failure(*met)
         if cfg is not None and faults.is_timeout(err):
             hangs.write_record(hangs.folder(cfg.log.dir), rank, faults.progress.step, err)
         if os.environ.get(ERROR_DIR):
@@ -77,6 +81,20 @@ def worker(config_path: str | None, overrides: list[str]) -> None:
         elif rank == 0 or not isinstance(err, ConfigError) or isinstance(err, FileProblem):
             print(f"error: {failure.sentence}", file=sys.stderr, flush=True)
         raise SystemExit(failure.exit_code) from None
+
+
+def _env_launch_problem(err: BaseException, cfg) -> tuple[str, int] | None:
+    """A rank started by torchrun (or by hand with RANK, MASTER_ADDR, MASTER_PORT) that could not
+    form the process group: the address it was given and who sets it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # formed: a later store or network error is a lost peer (faults.describe)
+        return None
+    address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    flag = ("torchrun's --rdzv-endpoint (here MASTER_ADDR:MASTER_PORT)" if "TORCHELASTIC_RUN_ID" in os.environ
+            else "MASTER_ADDR:MASTER_PORT")
+    return launch_problem(err, address, flag, int(os.environ.get("WORLD_SIZE", 1)),
+                          cfg.parallel.timeout_s if cfg is not None else None)
 
 
 def _hand_to_launcher(failure, rank: int) -> None:
@@ -143,6 +161,14 @@ def _quiet_elastic_logs() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _local_config(nproc: int, max_restarts: int):
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+                        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                        max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
+
+
 def launch_local(config_path: str | None, overrides: list[str], nproc: int, max_restarts: int,
                  nnodes: int = 1, node_rank: int = 0, rdzv: str = "", rdzv_id: str = "fivefold") -> int:
     """nproc ranks on this machine; with nnodes > 1, this launcher is one of nnodes that meet at
@@ -155,14 +181,14 @@ def launch_local(config_path: str | None, overrides: list[str], nproc: int, max_
 
     from fivefold.train import preemption
 
-    if nnodes > 1:
+    timeout_s = load_config(config_path, overrides).parallel.timeout_s
+    if nnodes > 1:  # a node that never joins ends the wait after parallel.timeout_s, with a sentence
         config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_id,
-                              rdzv_backend="c10d", rdzv_endpoint=rdzv, rdzv_configs={"is_host": node_rank == 0},
+                              rdzv_backend="c10d", rdzv_endpoint=rdzv,
+                              rdzv_configs={"is_host": node_rank == 0, "join_timeout": timeout_s},
                               max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
     else:
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                              max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
+        config = _local_config(nproc, max_restarts)
     error_dir = tempfile.mkdtemp(prefix="fivefold-errors-")
     os.environ[ERROR_DIR] = error_dir  # the spawned ranks inherit it
     _quiet_elastic_logs()
@@ -170,7 +196,20 @@ def launch_local(config_path: str | None, overrides: list[str], nproc: int, max_
     # SIGUSR1 (SLURM's --signal) would kill the launcher alone, so it becomes a SIGTERM.
     previous_usr1 = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        elastic_launch(config, worker)(config_path, overrides)
+        for tries_left in (2, 1, 0):
+            try:
+                elastic_launch(config, worker)(config_path, overrides)
+                break
+            except Exception as err:  # noqa: BLE001 - only a rendezvous that never formed is handled here
+                met = launch_problem(err, config.rdzv_endpoint, "--rdzv" if nnodes > 1 else "the local rendezvous",
+                                     nnodes, timeout_s)
+                if met is None:
+                    raise
+                if nnodes == 1 and met[1] == 2 and tries_left:  # another process took the free port we picked
+                    config = _local_config(nproc, max_restarts)
+                    continue
+                print(f"error: {met[0]}", file=sys.stderr, flush=True)
+                return met[1]
     except SignalException as err:  # the launcher was signalled: its ranks have stopped (or saved)
         stopped = stopped_record(error_dir)
         print(stopped["sentence"] if stopped else
