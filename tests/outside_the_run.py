@@ -60,17 +60,21 @@ class Untouched:
     """Every file under `folders` as it is now; `check()` asserts none was read, changed, added or
     removed since. Reading them here to hash them happens before their times are set back."""
 
-    def __init__(self, *folders: Path):
-        self.folders = [Path(f) for f in folders]
+    def __init__(self, *folders: Path, but: tuple[str, ...] = ()):
+        self.folders, self.but = [Path(f) for f in folders], but  # `but`: names another job may read (a lock)
         _relatime_works(self.folders[0])
-        self.files = sorted(p for f in self.folders for p in f.rglob("*") if p.is_file() and not p.is_symlink())
+        self.files = self._listing()
         self.hashes = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in self.files}
         for p in self.files:
             os.utime(p, (_PAST, _PAST))
         self.before = {p: _times(p) for p in self.files}
 
+    def _listing(self) -> list[Path]:
+        return sorted(p for f in self.folders for p in f.rglob("*")
+                      if p.is_file() and not p.is_symlink() and p.name not in self.but)
+
     def check(self) -> None:
-        now = sorted(p for f in self.folders for p in f.rglob("*") if p.is_file() and not p.is_symlink())
+        now = self._listing()
         assert now == self.files, f"files were added or removed outside the run: {set(now) ^ set(self.files)}"
         for p in self.files:
             assert _times(p) == self.before[p], f"{p} was read or written"
