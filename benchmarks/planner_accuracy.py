@@ -46,7 +46,9 @@ SHAPES = {
     "8B": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336),
 }
 SEQ_LEN, GLOBAL_BATCH, VOCAB = 4096, 256, 131072
-# Peak memory is reported in GiB-sized "GB" by torch.cuda (bytes / 2**30).
+# Peak memory is reported in GiB-sized "GB" by torch.cuda (bytes / 2**30), and counts what
+# PyTorch's allocator handed out: compared with the planner's MemoryBreakdown.allocated (its total
+# less the CUDA context and NCCL's buffers, which the fit check against the device does count).
 MEM_UNIT = 2 ** 30
 
 
@@ -108,7 +110,7 @@ def predict(rows: list[dict], runtime=NANOTRON_RUNTIME, hw=None) -> list[dict]:
             continue
         est = estimate(work, layout, hw, runtime)
         out.append({**row, "pred_tok_s": est.tokens_per_sec_per_gpu,
-                    "pred_mem_gb": est.memory.total / MEM_UNIT, "pred_fits": est.fits,
+                    "pred_mem_gb": est.memory.allocated / MEM_UNIT, "pred_fits": est.fits,
                     "pred_parts": est.time_parts})
     return out
 
@@ -177,7 +179,7 @@ def titan_predict(rows: list[dict], eager=None, compiled=None, hw=None) -> list[
     for row in rows:
         est = estimate(titan_workload(row), titan_layout(row), hw, titan_runtime(row, eager, compiled))
         out.append({**row, "status": "ok", "tok_s_gpu": row["tps_per_gpu"], "mem_gb": row["mem_gib"],
-                    "pred_tok_s": est.tokens_per_sec_per_gpu, "pred_mem_gb": est.memory.total / MEM_UNIT,
+                    "pred_tok_s": est.tokens_per_sec_per_gpu, "pred_mem_gb": est.memory.allocated / MEM_UNIT,
                     "pred_fits": est.fits, "pred_parts": est.time_parts})
     return out
 

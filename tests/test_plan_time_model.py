@@ -94,7 +94,12 @@ def test_overlapping_tensor_and_data_parallel_communication_shortens_the_step():
     assert overlapped.time_parts["tp"] < 0.5 * exposed.time_parts["tp"]
     assert overlapped.time_parts["dp"] < exposed.time_parts["dp"]
     assert overlapped.step_time_s < exposed.step_time_s
-    assert overlapped.comm_bytes == exposed.comm_bytes  # the same bytes, hidden, not removed
+    # the same tp/pp/cp/ep bytes, hidden, not removed; Megatron-core's performance recipes reduce
+    # gradients in bf16 (grad_reduce_in_fp32 = False, issue 53): the dp reduce-scatter moves 2
+    # bytes per weight instead of 4, the weight all-gather 2 as before: 4/6 of the bytes
+    assert {k: v for k, v in overlapped.comm_bytes.items() if k != "dp"} == \
+        {k: v for k, v in exposed.comm_bytes.items() if k != "dp"}
+    assert overlapped.comm_bytes["dp"] == pytest.approx(exposed.comm_bytes["dp"] * 4 / 6)
 
 
 def test_the_expert_all_to_all_hides_under_compute_where_the_schedule_overlaps_it():

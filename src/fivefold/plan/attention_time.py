@@ -34,14 +34,19 @@ def _unfused_gemm_efficiency(seq: int, head_dim: int, heads: int, hw) -> float:
     return gemm.efficiency(gemms, hw)
 
 
+# A causal fused kernel skips the tiles above the diagonal: it runs half the square's FLOPs.
+CAUSAL_SHARE = 0.5
+
+
 def attention_seconds(stats, layer: int, seq: int, rows: float, hw, kernel: str,
-                      recompute: str) -> float:
+                      recompute: str, rate: float = 0.5) -> float:
     """Seconds of one layer's attention core, forward + backward (+ recomputation), for `rows`
-    query tokens' share of the heads (tokens on this rank / tp: rows x n_heads head-rows)."""
+    query tokens' share of the heads (tokens on this rank / tp: rows x n_heads head-rows). rate:
+    a fused kernel's rate over a large GEMM's on the FLOPs it runs (Runtime.attention_rate)."""
     flops = stats.layer_attention_flops_per_token(layer, seq)  # forward + backward, full square
     again = 4 / 3 if recompute == "full" else 1.0
     if kernel != "unfused":
-        return again * flops * rows / (hw.peak_flops * hw.matmul_efficiency)
+        return again * CAUSAL_SHARE * flops * rows / (hw.peak_flops * hw.matmul_efficiency * rate)
     keys = min(seq, stats.sliding_window) if layer in stats.sliding_layers else seq
     heads = max(1, round(rows * stats.n_heads / seq))  # (sequence, head) pairs of one batched kernel
     eff = _unfused_gemm_efficiency(keys, stats.head_dim, heads, hw)

@@ -47,6 +47,7 @@ GPUs: """ + ", ".join(PROFILES)
 
 VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top", "--sweep", "--framework", "--moe-rank-imbalance")
 GB = 1e9
+GiB = 2 ** 30
 
 
 class PlanError(Exception):
@@ -275,7 +276,7 @@ def _plan(argv: list[str]) -> int:
         explain(ranked)  # the comparisons name the runner-up that survived the re-check
         candidates, rejected = ranked, result.rejected
         n_fitting, n_rejected = len(result.ranked), result.n_rejected
-        title = (f"{name} on {gpus} x {hw.name} ({hw.memory_bytes / GB:.0f} GB), seq {workload.seq_len}, "
+        title = (f"{name} on {gpus} x {hw.name} ({hw.memory_bytes / GiB:.1f} GiB = {hw.memory_bytes / GB:.1f} GB), seq {workload.seq_len}, "
                  f"global batch {workload.global_batch}: best layouts by predicted tokens/s per GPU")
 
     if flags["json"]:
@@ -304,12 +305,12 @@ def _fits_nowhere(cfg, workload, hw, gpus: int, result, runtime) -> str:
                   else "no degrees divide the cluster")
         return (f"no valid layout of {name} exists on {gpus} GPUs ({reason}); "
                 f"change --cluster.gpus or train.global_batch")
-    need = f"; even the leanest layout ({lean[0].short()}) needs {lean[1] / GB:.1f} GB per GPU"
+    need = f"; even the leanest layout ({lean[0].short()}) needs {lean[1] / GiB:.1f} GiB per GPU"
     found = smallest_fitting_cluster(cfg, workload, hw, runtime, 2 * gpus)
     if found is None:
         return f"{name} fits on no cluster of {hw.name} GPUs{need}; use GPUs with more memory"
     n, layout = found
-    return (f"{name} does not fit on {gpus} {hw.name} GPUs of {hw.memory_bytes / GB:.0f} GB{need}; "
+    return (f"{name} does not fit on {gpus} {hw.name} GPUs of {hw.memory_bytes / GiB:.1f} GiB{need}; "
             f"the smallest GPU count on which it fits is {n}, e.g. --cluster.gpus {n} --layout "
             f"\"dp={layout.dp},tp={layout.tp},pp={layout.pp},cp={layout.cp},ep={layout.ep},"
             f"zero={layout.zero},mbs=1,recompute=full\"")

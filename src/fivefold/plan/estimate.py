@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from fivefold.plan import comm, gemm
 from fivefold.plan.attention_time import attention_seconds
 from fivefold.plan.expert_load import rank_imbalance
+from fivefold.plan.framework_memory import as_run_by
 from fivefold.plan.grad_accum import accumulation_bytes_per_weight
-from fivefold.plan.hardware import Hardware, Runtime
+from fivefold.plan.hardware import Hardware, Runtime, on_stack
 from fivefold.plan.layout import Layout
 from fivefold.plan.activations import keeps_gathered, rank_activation_elements
 from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_param_counts, root_params,
@@ -72,7 +73,9 @@ class Estimate:
 
     def to_json(self) -> dict:
         return {"layout": self.layout.to_dict(), "fits": self.fits,
-                "memory_bytes": self.memory.to_dict(), "step_time_s": self.step_time_s,
+                "memory_bytes": self.memory.to_dict(),
+                # bytes, so no GB/GiB ambiguity: the device's capacity the fit was checked against
+                "memory_capacity_bytes": int(self.memory_limit), "step_time_s": self.step_time_s,
                 "tokens_per_sec_per_gpu": self.tokens_per_sec_per_gpu, "mfu": self.mfu,
                 "bubble_fraction": self.bubble_fraction,
                 "comm_bytes": {k: int(round(v)) for k, v in self.comm_bytes.items()},
@@ -130,7 +133,8 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
         dense = stats.layer_flops_per_token(layer, seq) - attn - experts
         in_fp8 = _float8_flops_per_token(stats, ((layer, 1),), seq) if fp8 else 0.0
         seconds = ((dense - in_fp8) / eff_dense + in_fp8 / eff_fp8 + experts / eff_experts) / peak
-        core = attention_seconds(stats, layer, seq, rows, hw, runtime.attention_kernel, layout.recompute)
+        core = attention_seconds(stats, layer, seq, rows, hw, runtime.attention_kernel, layout.recompute,
+                                  runtime.attention_rate)
         compute += count * (recomputed * share * rows * seconds + core)
         attention += count * attn * rows / (peak * hw.matmul_efficiency)
         if moe and imbalance != 1.0:  # what the busiest rank's extra rows cost beyond the mean load
@@ -279,6 +283,9 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
 def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
              memory: MemoryBreakdown | None = None) -> Estimate:
     """Predict one layout (memory may be passed in when the caller already computed it)."""
+    workload = as_run_by(workload, runtime)  # the framework's gradient buffer (plan/framework_memory.py)
+    memory = memory or worst_rank_memory(workload, layout, hw, runtime)
+    hw = on_stack(hw, runtime.matmul_rate)  # the framework's GEMM kernels (Runtime.matmul_rate)
     stats, pr = workload.stats, workload.precision
     order, gpn = workload.order, hw.gpus_per_node
     m = layout.micro_batches(workload.global_batch)
@@ -365,7 +372,6 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     if muon:
         for dim, nbytes in muon.bytes.items():
             comm_bytes[dim] += nbytes
-    memory = memory or worst_rank_memory(workload, layout, hw, runtime)
     return Estimate(layout=layout, memory=memory, memory_limit=hw.memory_bytes, step_time_s=step,
                     tokens_per_sec_per_gpu=tok_s_gpu, mfu=mfu,
                     bubble_fraction=bubble_fraction(layout, m), comm_bytes=comm_bytes,

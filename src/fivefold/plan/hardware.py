@@ -12,16 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
+
+from fivefold.plan.fitted import MEGATRON_BAND, MEGATRON_MATMUL_RATE
 
 GB = 1e9
 TB = 1e12
+MiB = 2 ** 20
+GiB = 2 ** 30
 
 
 @dataclass(frozen=True)
 class Hardware:
     name: str
     peak_flops: float  # dense bf16 (fp32 for the CPU profile), FLOP/s per device
-    memory_bytes: float  # device memory the allocator can hand out
+    # Device memory in bytes as the driver reports it (nvidia-smi's "Total" in MiB): a GPU sold as
+    # "80 GB" holds 80 GiB of HBM less what the driver reserves (H100: 81,559 MiB = 79.6 GiB =
+    # 85.5 GB). What the process itself costs (CUDA context, NCCL buffers, the framework's
+    # workspaces) is counted in each rank's "other" memory, not taken off here.
+    memory_bytes: float
     hbm_bw: float  # device memory bandwidth, bytes/s (optimizer step is bandwidth bound)
     intra_bw: float  # achievable collective bus bandwidth inside a node (NVLink), bytes/s per GPU
     nic_bw: float  # achievable network bandwidth per GPU (one NIC per GPU), bytes/s
@@ -59,6 +68,14 @@ class Hardware:
     # larger than that has every transfer's path cross the spine.
     scalable_unit_nodes: int = 32
     fused_attention: bool = True  # FlashAttention-style kernel: no s^2 score matrix is stored
+    # Fixed memory every process on the device pays before any tensor (plan/fixed_memory.py):
+    # the CUDA context with its loaded kernels (CUDA 12 lazy loading: ~0.5 GiB measured by
+    # PyTorch on A100/H100, "CUDA semantics: memory management"); and the buffers of each NCCL
+    # communicator the rank joins: NCCL_BUFFSIZE (4 MiB) per channel for each of the send and
+    # receive side of its ring/tree peers, up to 32 channels on NVLink/IB GPUs (NCCL's
+    # environment-variable docs), ~0.25 GiB per communicator. 0 on the CPU (gloo).
+    context_bytes: float = 0.5 * GiB
+    comm_buffer_bytes: float = 0.25 * GiB
     # ... also for a value head dim other than q/k's (MLA): CUDA's memory-efficient kernel takes
     # one, the CPU flash kernel does not (SDPA then runs its math path).
     fused_attention_distinct_v: bool = True
@@ -107,24 +124,24 @@ def device_peak_flops(device_name: str, dtype: str) -> float | None:
 H100_MATMUL_EFFICIENCY = 0.55
 A100_MATMUL_EFFICIENCY = 0.70
 PROFILES: dict[str, Hardware] = {
-    "a100": Hardware("a100", peak_flops=PEAK_FLOPS["a100"][0], memory_bytes=80 * GB, hbm_bw=2.0 * TB,
+    "a100": Hardware("a100", peak_flops=PEAK_FLOPS["a100"][0], memory_bytes=81920 * MiB, hbm_bw=2.0 * TB,
                      intra_bw=240 * GB, nic_bw=20 * GB,  # NVLink 3 (300 GB/s/dir), 200 Gb/s HDR
                      matmul_efficiency=A100_MATMUL_EFFICIENCY, gemm_fill_s=8e-6, has_fp8=False),
-    "h100": Hardware("h100", peak_flops=PEAK_FLOPS["h100"][0], memory_bytes=80 * GB, hbm_bw=3.35 * TB,
+    "h100": Hardware("h100", peak_flops=PEAK_FLOPS["h100"][0], memory_bytes=81559 * MiB, hbm_bw=3.35 * TB,
                      intra_bw=360 * GB, nic_bw=40 * GB, matmul_efficiency=H100_MATMUL_EFFICIENCY),
-    "h200": Hardware("h200", peak_flops=PEAK_FLOPS["h200"][0], memory_bytes=141 * GB, hbm_bw=4.8 * TB,
+    "h200": Hardware("h200", peak_flops=PEAK_FLOPS["h200"][0], memory_bytes=143771 * MiB, hbm_bw=4.8 * TB,
                      intra_bw=360 * GB, nic_bw=40 * GB, matmul_efficiency=H100_MATMUL_EFFICIENCY),
     # H800: the H100 die with NVLink cut to 400 GB/s both ways (200 GB/s each way, ~160 GB/s bus);
     # DeepSeek's cluster: 8 x 400 Gb/s InfiniBand NICs per node (DeepSeek-V3 report, s3.1).
-    "h800": Hardware("h800", peak_flops=PEAK_FLOPS["h800"][0], memory_bytes=80 * GB, hbm_bw=3.35 * TB,
+    "h800": Hardware("h800", peak_flops=PEAK_FLOPS["h800"][0], memory_bytes=81559 * MiB, hbm_bw=3.35 * TB,
                      intra_bw=160 * GB, nic_bw=40 * GB, matmul_efficiency=H100_MATMUL_EFFICIENCY),
-    "b200": Hardware("b200", peak_flops=PEAK_FLOPS["b200"][0], memory_bytes=180 * GB, hbm_bw=8.0 * TB,
+    "b200": Hardware("b200", peak_flops=PEAK_FLOPS["b200"][0], memory_bytes=183359 * MiB, hbm_bw=8.0 * TB,
                      intra_bw=720 * GB, nic_bw=40 * GB,  # NVLink 5 (900 GB/s/dir), 400 Gb/s NIC
                      matmul_efficiency=0.95 * H100_MATMUL_EFFICIENCY, gemm_fill_s=4e-6),
     # One CPU process of a laptop run under gloo: for comparing with local runs, not for speed claims.
     "cpu": Hardware("cpu", peak_flops=0.1 * TB, memory_bytes=16 * GB, hbm_bw=20 * GB,
                     intra_bw=4 * GB, nic_bw=1 * GB, gpus_per_node=64, matmul_efficiency=0.5,
-                    gemm_fill_s=0.0, has_fp8=False,
+                    gemm_fill_s=0.0, has_fp8=False, context_bytes=0.0, comm_buffer_bytes=0.0,
                     intra_latency_s=100e-6, inter_latency_s=200e-6,  # CPU SDPA is a flash kernel too,
                     fused_attention_distinct_v=False),  # for equal q/k and v head dims only
 }
@@ -212,6 +229,21 @@ class Runtime:
     # Bytes per element of the data-parallel gradient reduction when the framework reduces in
     # another dtype than the precision recipe says (0: the recipe's; IBM's fms-fsdp reduces in bf16: 2).
     reduce_bytes: float = 0.0
+    # The kernel stack's large-GEMM rate over the one Hardware.matmul_efficiency was fitted with
+    # (the torch stacks: fivefold, nanotron, torchtitan): Megatron-core's Transformer Engine
+    # GEMMs are fitted on NVIDIA's published runs (plan/fitted.py).
+    matmul_rate: float = 1.0
+    # Gradient buffer bytes per weight when the framework keeps its gradients in another dtype than
+    # the precision recipe (0: the recipe's). Megatron-core's performance recipes (NeMo 2,
+    # Megatron-Bridge) set grad_reduce_in_fp32 = False: the main-grad buffer, which the weight-
+    # gradient GEMMs accumulate into and the distributed optimizer reduce-scatters, is bf16 (2).
+    grad_buffer_bytes: float = 0.0
+    # The fused attention kernel's rate over a large GEMM's, on the FLOPs it runs (a causal mask
+    # skips half the square; the FLOP count stays the full square, PaLM's 12 L h s). 0.5: a
+    # FlashAttention-2-class kernel (PyTorch SDPA's flash backend) on Hopper, ~350 TFLOP/s forward
+    # and ~300 backward against ~750 for cuBLAS (Shah et al. 2024, FlashAttention-3, Figs. 5-7);
+    # the value the fitted constants were fitted with (the full square at the GEMM rate).
+    attention_rate: float = 0.5
     # The attention core's kernels (plan/attention_time.py): 'fused' (FlashAttention and its kin)
     # or 'unfused' (Megatron-LM 2021-22: batched score GEMMs, the s x s scores through memory for
     # softmax and dropout, the core's forward recomputed in backward under selective recomputation).
@@ -294,8 +326,15 @@ MEGATRON_DEEPSPEED_RUNTIME = dataclasses.replace(
 # communication overlapped with the GEMMs (userbuffers; NeMo's tp_comm_overlap, most of it hidden),
 # the distributed optimizer with --overlap-grad-reduce and --overlap-param-gather, FP8 casts fused
 # into the producing kernels, and expert all-to-all overlapped with compute.
+# Its memory recipe: bf16 main grads (grad_reduce_in_fp32 = False), reduced in bf16; the
+# distributed optimizer's fp32 master and moments over dp x cp (the bf16 recipe's ZeRO-1).
+# Attention: Transformer Engine's cuDNN fused attention, FlashAttention-3-class on Hopper
+# (~600-660 TFLOP/s forward, ~450-500 backward on causal 8K hdim 128: Shah et al. 2024 Figs. 5-7,
+# NVIDIA cuDNN 9 release notes), 0.7 of a large GEMM's rate on the work it runs.
 MEGATRON_RUNTIME = dataclasses.replace(
-    MEGATRON_2022_RUNTIME, dp_overlap_fraction=1.0, param_gather_overlapped=True,
+    MEGATRON_2022_RUNTIME, dp_overlap_fraction=1.0, param_gather_overlapped=True, grad_buffer_bytes=2.0,
+    reduce_bytes=2.0, attention_rate=0.7, matmul_rate=MEGATRON_MATMUL_RATE,
+    tokens_per_sec_error=MEGATRON_BAND,  # out of sample: benchmarks/calibrate_stacks.py
     tp_exposed_fraction=0.25, float8_cast_bytes_per_element=1.0, ep_overlap="always", attention_kernel="fused",
     name="megatron", overlaps="tp collectives under the GEMMs (TE userbuffers, a quarter left "
     "exposed), dp gradient reduce-scatter under backward and the weight all-gather under the next "
@@ -321,6 +360,14 @@ def runtime_for(compile: bool = False, family: str = "fivefold") -> Runtime:
     if family and family != "fivefold":
         return FRAMEWORKS[family]
     return FIVEFOLD_COMPILED if compile else FIVEFOLD_EAGER
+
+
+@lru_cache(maxsize=64)
+def on_stack(hw: Hardware, matmul_rate: float) -> Hardware:
+    """The device as a kernel stack drives it: its matmul efficiency times the stack's rate."""
+    if matmul_rate == 1.0:
+        return hw
+    return dataclasses.replace(hw, matmul_efficiency=hw.matmul_efficiency * matmul_rate)
 
 
 def hardware_for(name: str, gpus_per_node: int | None = None, **overrides) -> Hardware:

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fivefold.plan.activations import activation_bytes
+from fivefold.plan.framework_memory import as_run_by, fixed_bytes, process_bytes
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import adapter_param_counts, layer_adapter_params
@@ -27,10 +28,19 @@ class MemoryBreakdown:
     other: float = 0.0
     pipeline_rank: int = 0
     detail: dict = field(default_factory=dict)
+    # Of `other`: what the process holds outside PyTorch's caching allocator (the CUDA context,
+    # NCCL's buffers: plan/framework_memory.py), which torch.cuda's peak-memory figures leave out.
+    outside_allocator: float = 0.0
 
     @property
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    @property
+    def allocated(self) -> float:
+        """The peak as torch.cuda.max_memory_allocated reports it: the total less the process's
+        context and communication buffers."""
+        return self.total - self.outside_allocator
 
     def to_dict(self) -> dict:
         keys = ("params", "grads", "optimizer", "activations", "other")
@@ -172,6 +182,7 @@ def rank_state_bytes(workload: Workload, layout: Layout, prank: PipelineRank) ->
 
 def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                 prank: PipelineRank, rank: int) -> MemoryBreakdown:
+    workload = as_run_by(workload, runtime)  # the framework's gradient buffer (plan/framework_memory.py)
     stats, pr = workload.stats, workload.precision
     layout = as_trained(layout)
     m = layout.micro_batches(workload.global_batch)
@@ -180,7 +191,7 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
     lora = workload.lora
     trained = adapter_param_counts(stats, layout, prank, lora) if lora.rank else (dense, experts)
     saved, working = activation_bytes(workload, layout, prank, rank, m, hw, runtime)
-    other = runtime.fixed_bytes + working
+    other = fixed_bytes(layout, hw, runtime) + working
     if layout.zero >= 3 and prank.layers:
         # FSDP all-gathers one layer while the previous one computes (prefetch): two unsharded
         # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.
@@ -196,7 +207,7 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
             other += (dense + experts) * pr.param_bytes
     return MemoryBreakdown(params=state["params"], grads=state["grads"],
                            optimizer=state["optimizer"], activations=saved, other=other,
-                           pipeline_rank=rank,
+                           pipeline_rank=rank, outside_allocator=process_bytes(layout, hw),
                            detail={"params_per_rank": dense + experts, "layers": len(prank.layers)})
 
 

@@ -10,6 +10,7 @@ from fivefold.plan.estimate import Estimate
 from fivefold.plan.search import Rejected, reason_kind
 
 GB = 1e9
+GiB = 2 ** 30  # memory in GiB (nvidia-smi's and torch.cuda's unit); communication in GB
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "other")
 
 
@@ -24,7 +25,7 @@ def to_json(candidates: list[Estimate], rejected: list[Rejected] | None = None) 
 def _row(i: int, est: Estimate) -> list[str]:
     mem = est.memory
     return [str(i), est.layout.short(), "yes" if est.fits else "NO",
-            f"{mem.total / GB:.1f}", f"{est.tokens_per_sec_per_gpu:,.0f}", _band(est), f"{est.mfu:.1%}",
+            f"{mem.total / GiB:.1f}", f"{est.tokens_per_sec_per_gpu:,.0f}", _band(est), f"{est.mfu:.1%}",
             _seconds(est.step_time_s), f"{est.bubble_fraction:.0%}"]
 
 
@@ -50,19 +51,19 @@ def _format(rows: list[list[str]], header: list[str]) -> list[str]:
 
 def table(candidates: list[Estimate], title: str, rejected: list[Rejected] | None = None,
           n_fitting: int | None = None, n_rejected: int | None = None) -> str:
-    header = ["#", "layout", "fits", "mem GB", "tok/s/GPU", "± p50/p90", "MFU", "step s", "bubble"]
+    header = ["#", "layout", "fits", "mem GiB", "tok/s/GPU", "± p50/p90", "MFU", "step s", "bubble"]
     lines = [title, ""]
     lines += _format([_row(i + 1, e) for i, e in enumerate(candidates)], header)
     lines.append("")
     for i, est in enumerate(candidates):
         lines.append(f"{i + 1}. {est.why}")
     if candidates:
-        lines += ["", "memory of the worst rank (GB): "
-                  + ", ".join(MEMORY_PARTS) + "; communication per step per rank (GB): "
+        lines += ["", "memory of the worst rank (GiB = 2^30 bytes): "
+                  + ", ".join(MEMORY_PARTS) + "; communication per step per rank (GB = 1e9 bytes): "
                   "dp, tp, pp, cp, ep"]
         for i, est in enumerate(candidates):
             m = est.memory
-            mem = " ".join(f"{getattr(m, k) / GB:.1f}" for k in MEMORY_PARTS)
+            mem = " ".join(f"{getattr(m, k) / GiB:.1f}" for k in MEMORY_PARTS)
             com = " ".join(f"{est.comm_bytes[k] / GB:.2g}" for k in ("dp", "tp", "pp", "cp", "ep"))
             lines.append(f"{i + 1}. memory {mem} | comm {com}")
     lines += _muon_lines(candidates)
@@ -113,13 +114,13 @@ def plot_memory(candidates: list[Estimate], path: str, memory_limit: float, titl
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(candidates) + 2), 5))
     bottom = [0.0] * len(candidates)
     for part in MEMORY_PARTS:
-        values = [getattr(c.memory, part) / GB for c in candidates]
+        values = [getattr(c.memory, part) / GiB for c in candidates]
         ax.bar(range(len(candidates)), values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.axhline(memory_limit / GB, color="black", linestyle="--", label="GPU memory")
+    ax.axhline(memory_limit / GiB, color="black", linestyle="--", label="GPU memory")
     ax.set_xticks(range(len(candidates)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("GB per GPU (worst rank)")
+    ax.set_ylabel("GiB per GPU (worst rank)")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -26,6 +26,7 @@ from fivefold.config.validate import ignored_options
 from fivefold.configure import validate
 
 GB = 1e9
+GiB = 2 ** 30  # memory is stated in GiB (what nvidia-smi and torch.cuda report), with GB where it helps
 RECOMPUTE_ORDER = ("none", "selective", "full")  # fastest first
 SEARCH_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb", "zbv")
 
@@ -80,8 +81,8 @@ def memory_reason(est_or_memory, limit: float) -> str:
     mem = getattr(est_or_memory, "memory", est_or_memory)
     parts = {k: getattr(mem, k) for k in ("params", "grads", "optimizer", "activations", "other")}
     big = max(parts, key=parts.get)
-    return (f"needs {mem.total / GB:.1f} GB per GPU but has {limit / GB:.0f} GB "
-            f"(pipeline rank {mem.pipeline_rank}; largest part {big} {parts[big] / GB:.1f} GB)")
+    return (f"needs {mem.total / GiB:.1f} GiB ({mem.total / GB:.1f} GB) per GPU but has {limit / GiB:.1f} GiB "
+            f"(pipeline rank {mem.pipeline_rank}; largest part {big} {parts[big] / GiB:.1f} GiB)")
 
 
 # --------------------------------------------------------------------------------- enumeration
@@ -237,7 +238,7 @@ def end_relieved(workload: Workload, layout: Layout, hw: Hardware, runtime: Runt
             ends = " and ".join(f"the {end} stage {n} layer{'s' if n > 1 else ''} fewer"
                                 for end, n in (("first", first), ("last", last)) if n)
             return relieved, mem, (f"stages {text} ({ends} than the FLOP-balanced split: "
-                                   f"{mem.total / GB:.1f} GB per GPU instead of {balanced.total / GB:.1f})")
+                                   f"{mem.total / GiB:.1f} GiB per GPU instead of {balanced.total / GiB:.1f})")
     return None
 
 
@@ -288,9 +289,9 @@ def compare(a: Estimate, b: Estimate) -> str:
     biggest = sorted(diffs, key=lambda k: -abs(diffs[k]))[:2]
     faster = a.tokens_per_sec_per_gpu / b.tokens_per_sec_per_gpu - 1
     if abs(faster) < 0.005:
-        saved = (b.memory.total - a.memory.total) / GB
+        saved = (b.memory.total - a.memory.total) / GiB
         more_less = "less" if saved >= 0 else "more"
-        return (f"as fast as {b.layout.short()} (within 0.5%) and needs {abs(saved):.1f} GB "
+        return (f"as fast as {b.layout.short()} (within 0.5%) and needs {abs(saved):.1f} GiB "
                 f"{more_less} memory per GPU")
     words = []
     for k in biggest:
@@ -322,7 +323,7 @@ def explain_single(est: Estimate) -> None:
     total = est.step_time_s
     parts = sorted(est.time_parts.items(), key=lambda kv: -kv[1])
     shown = ", ".join(f"{_PART_NAMES.get(k, k)} {v / total:.0%}" for k, v in parts if v >= 0.005 * total)
-    est.why = (f"fits with {(est.memory_limit - est.memory.total) / GB:.1f} GB to spare; step time "
+    est.why = (f"fits with {(est.memory_limit - est.memory.total) / GiB:.1f} GiB to spare; step time "
                f"({est.profile} profile): {shown}")
 
 
