@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fivefold.plan.fitted import MEGATRON_BAND, MEGATRON_MATMUL_RATE
+from fivefold.plan.fitted import MEGATRON_BAND, MEGATRON_FP8_SPEEDUP, MEGATRON_MATMUL_RATE
 
 GB = 1e9
 TB = 1e12
@@ -334,6 +334,7 @@ MEGATRON_DEEPSPEED_RUNTIME = dataclasses.replace(
 MEGATRON_RUNTIME = dataclasses.replace(
     MEGATRON_2022_RUNTIME, dp_overlap_fraction=1.0, param_gather_overlapped=True, grad_buffer_bytes=2.0,
     reduce_bytes=2.0, attention_rate=0.7, matmul_rate=MEGATRON_MATMUL_RATE,
+    float8_linear_speedup=MEGATRON_FP8_SPEEDUP,
     tokens_per_sec_error=MEGATRON_BAND,  # out of sample: benchmarks/calibrate_stacks.py
     tp_exposed_fraction=0.25, float8_cast_bytes_per_element=1.0, ep_overlap="always", attention_kernel="fused",
     name="megatron", overlaps="tp collectives under the GEMMs (TE userbuffers, a quarter left "

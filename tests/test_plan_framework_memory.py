@@ -1,0 +1,80 @@
+"""Memory as each framework holds it (issue 53, plan/framework_memory.py): the gradient buffer's
+dtype, the process's fixed costs, the device's capacity in GiB; and the attention kernel's rate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fivefold.config import ModelConfig
+from fivefold.plan.attention_time import attention_seconds
+from fivefold.plan.estimate import estimate
+from fivefold.plan.framework_memory import communicators, process_bytes
+from fivefold.plan.hardware import FIVEFOLD_EAGER, MEGATRON_2022_RUNTIME, MEGATRON_RUNTIME, PROFILES, hardware_for
+from fivefold.plan.layout import Layout
+from fivefold.plan.model_stats import model_stats
+from fivefold.plan.workload import PRECISIONS, Workload
+
+GiB = 2 ** 30
+
+
+def _work():
+    model = ModelConfig(preset="llama3-8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                        vocab_size=128256, max_seq_len=8192, tie_embeddings=False)
+    return Workload(stats=model_stats(model), seq_len=8192, global_batch=64, precision=PRECISIONS["bf16"])
+
+
+def test_megatron_keeps_bf16_gradients_where_fivefold_keeps_fp32():
+    work, layout, hw = _work(), Layout(dp=8, zero=1, mbs=1), hardware_for("h100")
+    st = work.stats
+    weights = (st.n_layers * (st.attention_params + st.norm_params + st.dense_mlp_params)
+               + 2 * st.vocab_size * st.dim + st.dim)  # untied embedding and output, final norm
+    fivefold = estimate(work, layout, hw, FIVEFOLD_EAGER).memory
+    megatron = estimate(work, layout, hw, MEGATRON_RUNTIME).memory
+    # grad_reduce_in_fp32 = False: 2 bytes per weight, whole under the distributed optimizer
+    assert megatron.grads == pytest.approx(fivefold.grads / 2)
+    assert megatron.grads == pytest.approx(2 * weights, rel=1e-6)
+    # the optimizer's fp32 master and moments are the same 12 bytes over dp
+    assert megatron.optimizer == pytest.approx(fivefold.optimizer)
+    # A100-era Megatron-LM (megatron-2022) keeps the recipe's fp32 buffer
+    assert estimate(work, layout, hw, MEGATRON_2022_RUNTIME).memory.grads == pytest.approx(fivefold.grads)
+
+
+def test_fixed_costs_count_the_context_and_each_communicator():
+    hw = hardware_for("h100")
+    assert communicators(Layout(dp=1)) == 0
+    assert communicators(Layout(dp=4, tp=2, pp=2)) == 3  # dp, tp, pp
+    assert communicators(Layout(dp=4, cp=2)) == 2  # cp, and the gradients over dp x cp
+    assert process_bytes(Layout(dp=4, tp=2, pp=2), hw) == pytest.approx(0.5 * GiB + 3 * 0.25 * GiB)
+    # on the CPU (gloo) there is neither
+    assert process_bytes(Layout(dp=4, tp=2, pp=2), PROFILES["cpu"]) == 0
+    mem = estimate(_work(), Layout(dp=4, tp=2, zero=1), hw, FIVEFOLD_EAGER).memory
+    assert mem.total - mem.allocated == pytest.approx(0.5 * GiB + 2 * 0.25 * GiB)
+
+
+def test_capacity_is_what_the_driver_reports():
+    # nvidia-smi's totals: the "80 GB" H100 holds 81,559 MiB, more than 80e9 bytes
+    assert PROFILES["h100"].memory_bytes == 81559 * 2 ** 20 > 80e9
+    assert PROFILES["a100"].memory_bytes == 80 * GiB
+    assert PROFILES["b200"].memory_bytes == 183359 * 2 ** 20
+
+
+def test_attention_core_time_follows_the_kernel_rate():
+    stats, hw = _work().stats, hardware_for("h100")
+    fa2 = attention_seconds(stats, 0, 8192, 8192, hw, "fused", "none", 0.5)
+    te = attention_seconds(stats, 0, 8192, 8192, hw, "fused", "none", 0.7)
+    assert te == pytest.approx(fa2 * 0.5 / 0.7)
+    # 0.5 on half the square is the full square at the GEMM rate (what the torch stacks were fitted with)
+    flops = stats.layer_attention_flops_per_token(0, 8192) * 8192
+    assert fa2 == pytest.approx(flops / (hw.peak_flops * hw.matmul_efficiency))
+    assert MEGATRON_RUNTIME.attention_rate > FIVEFOLD_EAGER.attention_rate == 0.5
+
+
+def test_a_stack_rate_scales_the_gemms_and_not_the_memory():
+    work, layout, hw = _work(), Layout(dp=8, zero=1, mbs=1), hardware_for("h100")
+    slow = estimate(work, layout, hw, dataclasses.replace(MEGATRON_RUNTIME, matmul_rate=1.0))
+    fast = estimate(work, layout, hw, dataclasses.replace(MEGATRON_RUNTIME, matmul_rate=1.2))
+    assert fast.time_parts["compute"] < slow.time_parts["compute"]
+    assert fast.memory.total == slow.memory.total
+    assert fast.memory_limit == slow.memory_limit == hw.memory_bytes
