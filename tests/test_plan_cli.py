@@ -34,7 +34,9 @@ def test_json_follows_the_contract(capsys):
     # contract's fields, none of which changed
     assert set(cand) == {"layout", "fits", "memory_bytes", "step_time_s", "tokens_per_sec_per_gpu",
                          "mfu", "bubble_fraction", "comm_bytes", "why", "tokens_per_sec_band",
-                         "profile", "overlaps", "time_parts_s", "memory_capacity_bytes"}
+                         "profile", "overlaps", "time_parts_s", "memory_capacity_bytes",
+                         # issue 53's goodput and cost of train.steps (names in ../shared/DESIGN.md)
+                         "goodput", "checkpoint_interval_s", "train_days", "usd", "kwh"}
     # issue 53: the capacity is the device's as the driver reports it, in bytes (H100: 81,559 MiB)
     assert cand["memory_capacity_bytes"] == 81559 * 2 ** 20
     assert cand["profile"] == "fivefold-eager" and "compute" in cand["time_parts_s"]

@@ -17,6 +17,7 @@ from pathlib import Path
 from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig
 from fivefold.plan.compile_choice import planned_compile
 from fivefold.plan.estimate import estimate
+from fivefold.plan.goodput import goodput
 from fivefold.plan.hardware import FRAMEWORKS, PROFILES, hardware_from_cluster, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
 from fivefold.plan.report import plot_memory, table, to_json
@@ -279,6 +280,8 @@ def _plan(argv: list[str]) -> int:
         title = (f"{name} on {gpus} x {hw.name} ({hw.memory_bytes / GiB:.1f} GiB = {hw.memory_bytes / GB:.1f} GB), seq {workload.seq_len}, "
                  f"global batch {workload.global_batch}: best layouts by predicted tokens/s per GPU")
 
+    for est in candidates:  # goodput and cost of train.steps steps (plan/goodput.py)
+        est.goodput = goodput(workload, est.layout, hw, est.step_time_s, cfg.train.steps, cfg.cluster)
     if flags["json"]:
         print(to_json(candidates, rejected))
     else:

@@ -57,6 +57,7 @@ class Estimate:
     overlaps: str = ""  # what that framework overlaps
     muon: dict = field(default_factory=dict)  # train.optimizer = muon: where its work goes (plan/muon.py)
     moe_rank_imbalance: float = 1.0  # the busiest ep rank's routed rows over the mean (plan/expert_load.py)
+    goodput: object = None  # plan/goodput.py Goodput, attached by the command line (train.steps' cost)
 
     @property
     def tokens_per_sec_band(self) -> dict:
@@ -83,6 +84,7 @@ class Estimate:
                 "profile": self.profile, "overlaps": self.overlaps,
                 "time_parts_s": {k: v for k, v in self.time_parts.items() if v},
                 **({"moe_rank_imbalance": self.moe_rank_imbalance} if self.moe_rank_imbalance != 1.0 else {}),
+                **(self.goodput.to_json() if self.goodput else {}),
                 **({"muon": self.muon} if self.muon else {})}
 
 

@@ -74,6 +74,8 @@ class Hardware:
     # communicator the rank joins: NCCL_BUFFSIZE (4 MiB) per channel for each of the send and
     # receive side of its ring/tree peers, up to 32 channels on NVLink/IB GPUs (NCCL's
     # environment-variable docs), ~0.25 GiB per communicator. 0 on the CPU (gloo).
+    # Board power at full load (the datasheets' TDP): goodput's kWh (plan/goodput.py) by default.
+    board_watts: float = 700.0
     context_bytes: float = 0.5 * GiB
     comm_buffer_bytes: float = 0.25 * GiB
     # ... also for a value head dim other than q/k's (MLA): CUDA's memory-efficient kernel takes
@@ -126,7 +128,8 @@ A100_MATMUL_EFFICIENCY = 0.70
 PROFILES: dict[str, Hardware] = {
     "a100": Hardware("a100", peak_flops=PEAK_FLOPS["a100"][0], memory_bytes=81920 * MiB, hbm_bw=2.0 * TB,
                      intra_bw=240 * GB, nic_bw=20 * GB,  # NVLink 3 (300 GB/s/dir), 200 Gb/s HDR
-                     matmul_efficiency=A100_MATMUL_EFFICIENCY, gemm_fill_s=8e-6, has_fp8=False),
+                     matmul_efficiency=A100_MATMUL_EFFICIENCY, gemm_fill_s=8e-6, has_fp8=False,
+                     board_watts=400.0),
     "h100": Hardware("h100", peak_flops=PEAK_FLOPS["h100"][0], memory_bytes=81559 * MiB, hbm_bw=3.35 * TB,
                      intra_bw=360 * GB, nic_bw=40 * GB, matmul_efficiency=H100_MATMUL_EFFICIENCY),
     "h200": Hardware("h200", peak_flops=PEAK_FLOPS["h200"][0], memory_bytes=143771 * MiB, hbm_bw=4.8 * TB,
@@ -137,11 +140,12 @@ PROFILES: dict[str, Hardware] = {
                      intra_bw=160 * GB, nic_bw=40 * GB, matmul_efficiency=H100_MATMUL_EFFICIENCY),
     "b200": Hardware("b200", peak_flops=PEAK_FLOPS["b200"][0], memory_bytes=183359 * MiB, hbm_bw=8.0 * TB,
                      intra_bw=720 * GB, nic_bw=40 * GB,  # NVLink 5 (900 GB/s/dir), 400 Gb/s NIC
-                     matmul_efficiency=0.95 * H100_MATMUL_EFFICIENCY, gemm_fill_s=4e-6),
+                     matmul_efficiency=0.95 * H100_MATMUL_EFFICIENCY, gemm_fill_s=4e-6,
+                     board_watts=1000.0),
     # One CPU process of a laptop run under gloo: for comparing with local runs, not for speed claims.
     "cpu": Hardware("cpu", peak_flops=0.1 * TB, memory_bytes=16 * GB, hbm_bw=20 * GB,
                     intra_bw=4 * GB, nic_bw=1 * GB, gpus_per_node=64, matmul_efficiency=0.5,
-                    gemm_fill_s=0.0, has_fp8=False, context_bytes=0.0, comm_buffer_bytes=0.0,
+                    gemm_fill_s=0.0, has_fp8=False, context_bytes=0.0, comm_buffer_bytes=0.0, board_watts=65.0,
                     intra_latency_s=100e-6, inter_latency_s=200e-6,  # CPU SDPA is a flash kernel too,
                     fused_attention_distinct_v=False),  # for equal q/k and v head dims only
 }
