@@ -159,7 +159,9 @@ def test_a_step_equals_torch_muon_and_adamw(model):
     from fivefold.train.optim import build_optimizer
     from fivefold.train.trainer import setup
 
-    cfg = tiny_config({"model": model, "train": {**TRAIN, "muon_adjust_lr": "match_rms_adamw"}})
+    # The defaults' paths: torch's bf16 Newton–Schulz and AdamW's eps 1e-8.
+    cfg = tiny_config({"model": model, "train": {**TRAIN, "muon_adjust_lr": "match_rms_adamw",
+                                                 "muon_ns_dtype": "bf16", "adam_eps": 1e-8}})
     _, par = setup(cfg)
     params = dict(par.parts[0].named_parameters())
     ours = build_optimizer(params.values(), par.settings_of, cfg.train, par.muon_layout())
@@ -177,7 +179,7 @@ def test_a_step_equals_torch_muon_and_adamw(model):
     torch_muon = torch.optim.Muon([p for _, _, p in muon], lr=t.lr, weight_decay=t.weight_decay,
                                   momentum=t.muon_momentum, adjust_lr_fn="match_rms_adamw")
     torch_adam = torch.optim.AdamW([{"params": [p for _, p in ps], "weight_decay": wd} for wd, ps in adam.items()],
-                                   lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+                                   lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
         grads = {n: torch.randn(p.shape, generator=generator) for n, p in params.items()}
@@ -248,7 +250,7 @@ def test_a_matrix_moved_to_adamw_on_resume_counts_its_steps_from_zero(tmp_path, 
 
     train(tiny_config({"train": {**TRAIN, "steps": 2}, "checkpoint": {"dir": str(tmp_path), "every": 2}}))
     saved = checkpoint.read_tensors(tmp_path / "step_00000002")
-    adamw = {**TRAIN, "optimizer": "adamw", "steps": 3}
+    adamw = {**TRAIN, "optimizer": "adamw", "steps": 3, "adam_eps": 1e-8}  # eps at the default: lr per element
     resumed = train(tiny_config({"train": adamw, "checkpoint": {"resume": str(tmp_path / "step_00000002")}}))
     assert "(muon -> adamw)" in capsys.readouterr().err
     lr, decay = resumed.records[0]["lr"], resumed.parallel.settings_of(_wq(resumed)).weight_decay

@@ -173,6 +173,10 @@ class TrainConfig:
     muon_momentum: float = checked(0.95, ge=0, lt=1)  # Muon's Nesterov momentum
     # original (sqrt(max(1, rows/cols))) | match_rms_adamw (0.2·sqrt(max(rows, cols)): AdamW's lr and decay carry over)
     muon_adjust_lr: str = checked("original", choices=("original", "match_rms_adamw"))
+    # Newton–Schulz precision: bf16 is torch.optim.Muon's (and Moonlight's); fp32 removes bf16's
+    # rounding from the orthogonalisation (its iteration amplifies a flipped bf16 rounding of its
+    # input ~500x), what the layout-equality tests run to compare layouts exactly
+    muon_ns_dtype: str = checked("bf16", choices=("bf16", "fp32"))
     # Per-group settings, 'SELECTOR: key=value, ...' separated by ';' (config/param_groups.py, docs/optimizers.md);
     # the default exempts norms, biases and embeddings from weight decay
     param_groups: str = "norm|bias|embedding:weight_decay=0"
@@ -181,6 +185,9 @@ class TrainConfig:
     qk_clip: float = checked(0.0, ge=0, note="0 = off")
     beta1: float = checked(0.9, ge=0, lt=1)
     beta2: float = checked(0.95, ge=0, lt=1)
+    # AdamW's epsilon: the update g/(sqrt(v) + eps) is most sensitive to a gradient's rounding,
+    # by lr/eps, where the gradient is near eps (Megatron's --adam-eps, torchtitan's eps)
+    adam_eps: float = checked(1e-8, gt=0)
     grad_clip: float = checked(1.0, ge=0, note="0 = off")  # 0 = off
     dtype: str = checked("fp32", choices=("fp32", "bf16"))  # fp32 | bf16 (bf16 compute, fp32 master weights and reductions)
     fp8: str = checked("", choices=("", "tensorwise", "rowwise"), note='"" = off')  # "" (off) | tensorwise | rowwise: dense projections in FP8 via torchao (needs dtype bf16)

@@ -79,12 +79,13 @@ class DTensorMatrices(WholeTensors):
             return whole_matrices(tuple(tensor.shape))
         return self.local_matrices(tensor)
 
-    def orthogonalize(self, tensors: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    def orthogonalize(self, tensors: list[torch.Tensor], updates: list[torch.Tensor],
+                      ns_dtype: str = "bf16") -> list[torch.Tensor]:
         """A window's tensors in three passes, so that their owners work at the same time: every
         tensor gathered, each owner's orthogonalised, every result summed back into shards."""
         wholes = [gather_whole(t, u.to_local()) if isinstance(t, DTensor) else None for t, u in zip(tensors, updates)]
-        mine = [owned_result(whole, dist.get_rank() == self.owner[id(t)]) if whole is not None
-                else self.orthogonalize_here(t, u) for t, u, whole in zip(tensors, updates, wholes)]
+        mine = [owned_result(whole, dist.get_rank() == self.owner[id(t)], ns_dtype) if whole is not None
+                else self.orthogonalize_here(t, u, ns_dtype) for t, u, whole in zip(tensors, updates, wholes)]
         return [shard_of_sum(t, m).reshape(-1) if isinstance(t, DTensor) else m for t, m in zip(tensors, mine)]
 
 
@@ -95,9 +96,11 @@ def gather_whole(param: DTensor, shard: torch.Tensor) -> torch.Tensor:
                               stride=param.stride()).full_tensor()
 
 
-def owned_result(whole: torch.Tensor, owned: bool) -> torch.Tensor:
+def owned_result(whole: torch.Tensor, owned: bool, ns_dtype: str) -> torch.Tensor:
     """The owner's orthogonalised whole (each matrix of it on its own); zeros on every other rank."""
-    return WholeTensors().orthogonalize_here(whole, whole).view(whole.shape) if owned else torch.zeros_like(whole)
+    if not owned:
+        return torch.zeros_like(whole)
+    return WholeTensors().orthogonalize_here(whole, whole, ns_dtype).view(whole.shape)
 
 
 def shard_of_sum(param: DTensor, mine: torch.Tensor) -> torch.Tensor:

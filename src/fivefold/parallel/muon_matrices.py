@@ -21,11 +21,29 @@ def whole_matrices(shape: tuple[int, ...]) -> list[tuple[int, int, tuple[int, in
     return [(i * size, (i + 1) * size, (rows, cols)) for i in range(math.prod(shape[:-2]))]
 
 
-def newton_schulz(update: torch.Tensor) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalisation of one 2-D matrix (its own function, its defaults)."""
+def newton_schulz(update: torch.Tensor, ns_dtype: str = "bf16") -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation of one 2-D matrix (its function, its defaults) in bf16;
+    the same iteration in fp32 with ns_dtype = "fp32" (train.muon_ns_dtype)."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, DEFAULT_NS_STEPS, EPS)
+    if ns_dtype == "bf16":
+        return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, DEFAULT_NS_STEPS, EPS)
+    return _newton_schulz_fp32(update)
+
+
+def _newton_schulz_fp32(update: torch.Tensor) -> torch.Tensor:
+    """torch's quintic Newton–Schulz step for step, in fp32: torch's function casts its input to
+    bf16 with no way to ask otherwise, and each step multiplies a difference in its input by up to
+    the polynomial's slope at zero (a = 3.44), so a bf16 rounding flipped by a reassociated
+    gradient grows ~500x over 5 steps."""
+    a, b, c = NS_COEFFICIENTS
+    wide = update.shape[0] > update.shape[1]
+    x = (update.T if wide else update).float()
+    x = x / x.norm().clamp(min=EPS)  # spectral norm at most 1
+    for _ in range(DEFAULT_NS_STEPS):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if wide else x
 
 
 class WholeTensors:
@@ -40,14 +58,15 @@ class WholeTensors:
     def matrices(self, tensor: torch.Tensor):
         return whole_matrices(tuple(tensor.shape))
 
-    def orthogonalize(self, tensors: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [self.orthogonalize_here(t, u) for t, u in zip(tensors, updates)]
+    def orthogonalize(self, tensors: list[torch.Tensor], updates: list[torch.Tensor],
+                      ns_dtype: str = "bf16") -> list[torch.Tensor]:
+        return [self.orthogonalize_here(t, u, ns_dtype) for t, u in zip(tensors, updates)]
 
-    def orthogonalize_here(self, tensor: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    def orthogonalize_here(self, tensor: torch.Tensor, update: torch.Tensor, ns_dtype: str = "bf16") -> torch.Tensor:
         """Each matrix of `tensor` (whose update here is `update`), flat."""
         flat, out = update.reshape(-1), torch.empty(update.numel(), dtype=update.dtype, device=update.device)
         for start, end, shape in whole_matrices(tuple(tensor.shape)):
-            out[start:end] = newton_schulz(flat[start:end].view(shape)).reshape(-1)
+            out[start:end] = newton_schulz(flat[start:end].view(shape), ns_dtype).reshape(-1)
         return out
 
 

@@ -30,10 +30,12 @@ from fivefold.parallel.muon_matrices import WholeTensors
 
 class Muon(torch.optim.Optimizer):
     def __init__(self, params, lr: float, momentum: float = 0.95, weight_decay: float = 0.1,
-                 nesterov: bool = True, adjust_lr_fn: str = "original", layout=None):
+                 nesterov: bool = True, adjust_lr_fn: str = "original", layout=None, ns_dtype: str = "bf16"):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                                   "nesterov": nesterov, "adjust_lr_fn": adjust_lr_fn})
         self.layout = layout or WholeTensors()
+        # Not a group setting: a checkpoint's groups would carry it back over the configured one.
+        self.ns_dtype = ns_dtype
         for group in self.param_groups:
             for param in group["params"]:
                 if param.dim() < 2 and not getattr(self.layout, "flat", False):
@@ -51,7 +53,7 @@ class Muon(torch.optim.Optimizer):
             for first in range(0, len(params), size):
                 window = params[first:first + size]
                 updates = [self._update(param, group) for param in window]
-                for param, orthogonal in zip(window, self.layout.orthogonalize(window, updates)):
+                for param, orthogonal in zip(window, self.layout.orthogonalize(window, updates, self.ns_dtype)):
                     self._apply(param, orthogonal, group)
         return None
 

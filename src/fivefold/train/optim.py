@@ -29,7 +29,7 @@ def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
             contiguous_for_fused(param)
     kinds = [[p for p in params if not isinstance(p, DTensor)], [p for p in params if isinstance(p, DTensor)]]
     groups = [{"params": kind} for kind in kinds if kind]
-    return torch.optim.AdamW(groups or params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+    return torch.optim.AdamW(groups or params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay, fused=fused)
 
 
@@ -58,13 +58,13 @@ def build_optimizer(params, settings_of, cfg: TrainConfig, muon_layout=None) -> 
         for group in adam if fused else []:
             for param in group["params"]:
                 contiguous_for_fused(param)
-        optimizers.append(torch.optim.AdamW(adam or params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+        optimizers.append(torch.optim.AdamW(adam or params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                             weight_decay=cfg.weight_decay, fused=fused))
     if muon:
         from fivefold.train.muon import Muon
 
         optimizers.append(Muon(muon, lr=cfg.lr, momentum=cfg.muon_momentum, adjust_lr_fn=cfg.muon_adjust_lr,
-                               layout=muon_layout))
+                               layout=muon_layout, ns_dtype=cfg.muon_ns_dtype))
     return optimizers[0] if len(optimizers) == 1 else Chained(optimizers)
 
 

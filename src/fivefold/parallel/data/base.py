@@ -4,6 +4,7 @@ data parallelism (dp·cp = 1): gradients stay where backward left them."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -196,3 +197,12 @@ class DataParallel:
         return {"params": size(held),
                 "grads": size([p.grad for p in self.params if p.grad is not None] + self.gradient_buffers()),
                 "optimizer": size(state) + size(masters)}
+
+
+def weak_pair(owner, bucket) -> tuple[weakref.ref, weakref.ref]:
+    """What a gradient hook on a parameter may hold of its data-parallel owner and bucket: weak
+    references. The tensor's C++ autograd metadata holds the hook, an edge Python's garbage
+    collector cannot see, so a hook holding them strongly (owner -> bucket -> parameter -> hook)
+    is a cycle never freed: the model, its optimizer state and its process groups (two gloo
+    threads per group) would outlive the run in every process that trains more than once."""
+    return weakref.ref(owner), weakref.ref(bucket)

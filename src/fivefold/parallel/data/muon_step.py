@@ -99,7 +99,8 @@ class ChunkMatrices:
         return [(max(s, lo) - lo, min(e, lo + chunk.numel()) - lo, shape)
                 for s, e, shape in bucket.muon_matrices if s < lo + chunk.numel() and e > lo]
 
-    def orthogonalize(self, chunks: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    def orthogonalize(self, chunks: list[torch.Tensor], updates: list[torch.Tensor],
+                      ns_dtype: str = "bf16") -> list[torch.Tensor]:
         """A window's chunks in three passes, so that their owners work at the same time: every
         bucket (and tensor-parallel matrix) gathered, each owner's orthogonalised, every result
         summed back (over tp, then reduce-scattered over the bucket's group)."""
@@ -111,9 +112,9 @@ class ChunkMatrices:
         for chunk, bucket, whole, tensors in zip(chunks, buckets, wholes, sharded):
             out = torch.zeros(bucket.padded, dtype=whole.dtype, device=whole.device)
             for start, end, shape in self.owned[id(chunk)]:
-                out[start:end] = newton_schulz(whole[start:end].view(shape)).reshape(-1)
+                out[start:end] = newton_schulz(whole[start:end].view(shape), ns_dtype).reshape(-1)
             outs.append(out)
-            tp_results.append([(param, offset, size, owned_result(full, owned)) for param, offset, size, owned, full in tensors])
+            tp_results.append([(param, offset, size, owned_result(full, owned, ns_dtype)) for param, offset, size, owned, full in tensors])
         mine = []
         for bucket, update, out, results in zip(buckets, updates, outs, tp_results):
             for param, offset, size, result in results:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from fivefold.parallel.data.base import DataParallel
+from fivefold.parallel.data.base import DataParallel, weak_pair
 from fivefold.parallel.data.buckets import Bucket
 from fivefold.parallel.grad_norm import settle_grad_layout
 
@@ -27,11 +27,14 @@ class ReplicatedDataParallel(DataParallel):
                 param.register_post_accumulate_grad_hook(self._make_hook(bucket))
 
     def _make_hook(self, bucket: Bucket):
+        owner, bucket_ref = weak_pair(self, bucket)
+
         def hook(param):
-            if self._syncing:
+            me, bucket = owner(), bucket_ref()
+            if me is not None and me._syncing:
                 settle_grad_layout(param)
                 bucket.mark_ready(param)
-                self._launch_ready_buckets()
+                me._launch_ready_buckets()
         return hook
 
     def _launch_ready_buckets(self) -> None:

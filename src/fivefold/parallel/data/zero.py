@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.parallel.data.base import DataParallel, local_row_factor, trainable
+from fivefold.parallel.data.base import DataParallel, local_row_factor, trainable, weak_pair
 from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 from fivefold.parallel.grad_norm import (
     clip_coefficient,
@@ -131,13 +131,18 @@ class ShardedOptimizerDataParallel(DataParallel):
         return segments
 
     def _make_hook(self, bucket):
+        owner, bucket_ref = weak_pair(self, bucket)
+
         def hook(param):
-            if self.main_grads:
-                self._absorb([param])
-            if self._syncing:
+            me, bucket = owner(), bucket_ref()
+            if me is None:
+                return
+            if me.main_grads:
+                me._absorb([param])
+            if me._syncing:
                 settle_grad_layout(param)
                 bucket.mark_ready(param)
-                self._launch_ready_buckets()
+                me._launch_ready_buckets()
         return hook
 
     def _absorb(self, params) -> None:
