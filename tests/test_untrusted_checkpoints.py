@@ -93,6 +93,15 @@ def test_a_data_file_that_is_a_symlink_out_of_the_checkpoint_is_refused(layout):
     watch.check()
 
 
+def test_a_step_folder_that_is_a_symlink_out_of_the_root_is_not_one_of_its_checkpoints(layout):
+    run, outside = layout
+    os.symlink(outside / STEP, run / "checkpoints" / "step_00000009")  # newer than any, and whole
+    watch = Untouched(outside)
+    done = succeeded(_resume(run, "auto"))
+    assert f"saved step 3 to {run / 'checkpoints' / 'step_00000003'}" in done.stdout  # continued from its own step 2
+    watch.check()
+
+
 def test_dcp_metadata_placing_tensors_in_a_file_outside_is_refused(layout):
     run, outside = layout
     step = run / "checkpoints" / STEP
