@@ -30,7 +30,8 @@ def test_four_local_ranks_write_the_single_process_losses(tmp_path):
     assert len(parallel) == len(single) == 4
     for a, b in zip(parallel, single):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s", "peak_mem_bytes"):
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "tokens_per_sec_per_gpu", "mfu", "step_time_s",
+                "peak_mem_bytes"):
         assert key in parallel[-1]
     assert parallel[-1]["comm_bytes"]["dp"] > 0 and parallel[-1]["comm_bytes"]["tp"] > 0
 

@@ -21,7 +21,7 @@ from fivefold.train.trainer import autocast, train
 from layouts import WEIGHT_ATOL, tiny_config
 
 QUIET = {"log": {"every": 1000}}  # console lines only at the first and last step
-REQUIRED_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s", "peak_mem_bytes")
+REQUIRED_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "tokens_per_sec_per_gpu", "mfu", "step_time_s", "peak_mem_bytes")
 
 
 def _with(*overrides: dict) -> dict:

@@ -149,7 +149,28 @@ def config_from_dict(raw: dict, read_folder: FolderReader | None = None) -> Conf
         if not isinstance(raw[name], dict):
             raise ConfigError(f"[{name}] must be a section of keys, got {raw[name]!r}")
     raw["model"] = _resolve_model(raw.get("model", {}), read_folder)
+    raw["data"] = _tokenizer_of_the_model(raw.get("data", {}), raw["model"])
     return Config(**{name: _build(sections[name], raw.get(name, {}), name) for name in sections})
+
+
+def _tokenizer_of_the_model(raw_data: dict, model: dict) -> dict:
+    """data.tokenizer left unset under model.init_from: the folder's own tokenizer.json, so that a
+    model trained on its ids is not fed bytes. A folder without one, whose vocabulary is more than
+    bytes, on text the run tokenizes itself: refused, since bytes would be a silent downgrade."""
+    folder = model.get("init_from")
+    if not folder or "tokenizer" in raw_data:
+        return raw_data
+    own = Path(folder) / "tokenizer.json"
+    if own.is_file():
+        return {**raw_data, "tokenizer": str(own)}
+    source = str(raw_data.get("source", "builtin"))
+    prepared = raw_data.get("mix") or (Path(source) / "manifest.json").is_file()  # their manifest names it
+    vocab = model.get("vocab_size", 256)
+    if not prepared and source != "builtin" and isinstance(vocab, int) and vocab > 256:
+        raise ConfigError(f"model.init_from='{folder}' has no tokenizer.json and a vocabulary of {vocab}, so the "
+                          f"text in data.source would be tokenized as bytes; set data.tokenizer to the model's "
+                          f"tokenizer.json (or to 'byte' to train it on bytes anyway)")
+    return raw_data
 
 
 def parse_overrides(args: list[str]) -> dict:

@@ -205,7 +205,8 @@ class DataConfig:
     source: str = "builtin"  # builtin | a prepared folder (fivefold prepare) | a .txt/.jsonl/.parquet file or folder
     mix: str = ""  # weighted prepared folders, "DIR_A:0.7,DIR_B:0.3" (instead of source)
     text_field: str = "text"  # jsonl/parquet column holding the text
-    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
+    # byte | path to a Hugging Face tokenizer.json; unset under model.init_from: the folder's tokenizer.json
+    tokenizer: str = "byte"
     val_fraction: float = checked(0.05, ge=0, lt=0.5)
     builtin_max_bytes: int = checked(4_000_000, gt=0)
     document_mask: bool = False  # attention block-diagonal-causal: no token attends across a document boundary

@@ -6,6 +6,7 @@ is one sentence naming the key and the fix.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
@@ -99,6 +100,18 @@ def _check_tokens_fit(cfg: Config, key: str, folder: str, manifest: dict) -> Non
                  f"model.vocab_size to at least {largest + 1}, or prepare the data with the model's tokenizer")
 
 
+def _check_model_tokenizer(cfg: Config, key: str, folder: str, tokenizer: dict) -> None:
+    """Data prepared with another tokenizer than the one model.init_from's folder was trained with:
+    the ids would mean other tokens to the model."""
+    own = Path(cfg.model.init_from) / "tokenizer.json" if cfg.model.init_from else None
+    if own is None or not own.is_file():
+        return
+    digest = hashlib.sha256(own.read_bytes()).hexdigest()
+    _require(tokenizer.get("sha256") == digest, f"{key} folder '{folder}' was prepared with the "
+             f"{tokenizer['name']} tokenizer, not model.init_from's {own}; prepare it again with "
+             f"`fivefold prepare SRC --tokenizer {own}`")
+
+
 def _check_prepared_data(cfg: Config) -> None:
     """data.source = a prepared folder, or data.mix = several: the tokenizer is the manifest's."""
     d, m = cfg.data, cfg.model
@@ -123,6 +136,7 @@ def _check_prepared_data(cfg: Config) -> None:
         _require(tokenizer["vocab_size"] <= m.vocab_size, f"'{folder}' was prepared with a tokenizer of "
                  f"{tokenizer['vocab_size']} tokens but model.vocab_size={m.vocab_size}; raise model.vocab_size "
                  f"to at least {tokenizer['vocab_size']}")
+        _check_model_tokenizer(cfg, key, folder, tokenizer)
         tokenizers[folder] = tokenizer
     labels = {f: t["name"] + (f" sha256 {t['sha256'][:12]}" if "sha256" in t else "") for f, t in tokenizers.items()}
     _require(len(set(labels.values())) == 1, "data.mix folders were prepared with different tokenizers (" +

@@ -72,6 +72,7 @@ class MetricsWriter:
                         _quiet_event_writer_thread()
                         self._tb = SummaryWriter(log_dir=str(self._tb_dir))
         self._start = time.perf_counter()
+        self._step_times: list[float] = []
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -86,6 +87,7 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(tensorboard_scalars(record), step=record["step"])
         step = record["step"]
+        self._step_times.append(record["step_time_s"])
         if self.progress and (step % self.every == 0 or step == self.total_steps or step == 1):
             self.print_line(record)
 
@@ -95,11 +97,20 @@ class MetricsWriter:
         if "val_loss" in r:
             parts.append(f"val {r['val_loss']:.4f}")
         parts += [f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.2f}",
-                  f"{r['tokens_per_sec']:,.0f} tok/s", f"{r['step_time_s'] * 1000:.0f} ms/step"]
+                  f"{r['tokens_per_sec']:,.0f} tok/s ({r['tokens_per_sec_per_gpu']:,.0f}/gpu)",
+                  f"{r['step_time_s'] * 1000:.0f} ms/step"]
         if r.get("mfu") is not None:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
-        parts.append(f"{elapsed:.0f}s")
+        if r.get("peak_mem_bytes") is not None:
+            parts.append(memory_text(r["peak_mem_bytes"], r.get("device_mem_bytes")))
+        parts.append(f"{_clock(elapsed)} in, {_clock(self._time_left(r))} left")
         print(" | ".join(parts), flush=True)
+
+    def _time_left(self, r: dict) -> float:
+        """The steps left at the mean time of this run's steps after its first (which carries
+        compilation and warm-up)."""
+        recent = self._step_times[1:] or self._step_times
+        return (self.total_steps - r["step"]) * sum(recent) / len(recent)
 
     def note(self, text: str) -> None:
         if self.enabled and self.progress:
@@ -200,3 +211,20 @@ class NonFiniteSteps:
             raise ConfigError(f"training stopped at step {step}: the loss or gradient norm was not finite for "
                               f"{self.in_a_row} steps in a row (train.max_bad_steps); lower train.lr, check the "
                               "data, or resume from an earlier checkpoint")
+
+
+def memory_text(peak: int, device_total: int | None) -> str:
+    """A step line's memory: the peak allocated and its share of the device (GiB = 2^30 bytes);
+    on CPU the process's peak resident set."""
+    if device_total:
+        return f"mem {peak / 2**30:.1f} GiB ({100 * peak / device_total:.0f}%)"
+    return f"rss {peak / 2**30:.2f} GiB"
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -32,6 +32,7 @@ from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, NonFiniteStep
 from fivefold.train.mixture import GlobalBatches
 from fivefold.train.optim import build_optimizer, lr_multiplier, lr_scheduler, muon_tensors
 from fivefold.train.prefetch import BatchPrefetcher
+from fivefold.train.startup import StartupPhases, describe_data, model_phase
 from fivefold.config.validate import ignored_note
 from fivefold.configure import validate
 from fivefold.train.supported import check_supported
@@ -120,20 +121,26 @@ def evaluate(par: Parallelized, held_out: GlobalBatches, cfg: Config, device: to
 
 
 def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
+    phases = StartupPhases()
     rt, par = setup(cfg, rt)
+    phases.done(model_phase(cfg))
     t = cfg.train
     # `sampler` is the data position checkpoints save; step k's batch depends on (seed, data, k) only.
     sampler, held_out = load_training_data(cfg.data, t.seq_len, cfg.model.vocab_size, t.global_batch, t.seed)
+    phases.done("data read")
     muon = par.muon_layout()
     optimizer = par.optimizer(lambda params: build_optimizer(params, par.settings_of, t, muon))
     scheduler = lr_scheduler(optimizer, t)
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard,
                            cfg.log.progress, wandb_run(cfg) if cfg.log.wandb and rt.is_main else None)
     say_once(cfg, rt, par, writer, optimizer, muon)
+    writer.note(describe_data(cfg))
     resume_from = checkpoint.resolve(cfg)
     if resume_from is not None:  # any saving layout: each rank reads the pieces its layout needs
         checkpoint.load(cfg, resume_from, par, optimizer, scheduler, sampler)
         writer.note(f"resumed from {resume_from}: continuing at step {sampler.step + 1}")
+    phases.done("optimizer" + (" and checkpoint" if resume_from is not None else ""))
+    writer.note(phases.describe())
     result, first_step, n_micro = TrainResult(parallel=par), sampler.step, micro_batches(cfg)
     records = StepRecords(cfg, rt, par, writer, held_out, sampler)
     prefetcher = BatchPrefetcher(sampler, par.dp_rank, cfg.parallel.dp, rt.device, t.steps)
@@ -241,10 +248,11 @@ class StepRecords:
         record = {
             "step": step + 1, "loss": loss_value, "grad_norm": grad_norm,
             "lr": t.lr * lr_multiplier(step, t),  # the base lr: groups may scale it (train.param_groups)
-            "tokens_per_sec": world_tokens_per_sec,
+            "tokens_per_sec": world_tokens_per_sec, "tokens_per_sec_per_gpu": world_tokens_per_sec / rt.world_size,
             "mfu": (self.stats.mfu(t.seq_len, world_tokens_per_sec / rt.world_size, self.peak, self.adapters)
                     if self.peak else None),
-            "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device), **cuda_memory(rt.device),
+            "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(rt.device),
+            "device_mem_bytes": device_memory_bytes(rt.device), **cuda_memory(rt.device),
             **({"comm_bytes": par.comm_bytes_last_step()} if measured else {}),
             # MoE: aux_loss (not in `loss`), tokens per expert, imbalance, drops; MTP: mtp_loss (not in `loss`)
             **par.step_metrics,
@@ -316,6 +324,11 @@ def checkpoint_root_or_none(cfg: Config, step: int):
     """Where the checkpoint of `step` goes, or None when the run has no checkpoint folder."""
     root = checkpoint.checkpoint_root(cfg)
     return None if root is None else root / f"{checkpoint.PREFIX}{step:08d}"
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What the device holds in all (the console's memory percentage); None on CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:
