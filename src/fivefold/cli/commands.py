@@ -78,6 +78,8 @@ def _generate_parser() -> _Parser:
     parser.add_argument("--temperature", type=float, default=0.8, metavar="T", help="softmax temperature; 0 = greedy (default 0.8)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampling (default 0)")
     parser.add_argument("--tokenizer", default="", metavar="TOKENIZER", help="byte or a tokenizer.json (default: the run's data.tokenizer)")
+    parser.add_argument("--base", default="", metavar="FOLDER",
+                        help="the base model of LoRA adapters, when it is not where the checkpoint says")
     parser.add_argument("--chat", action="store_true", help="the prompt is a user message, rendered with the chat template; print the reply")
     parser.add_argument("--system", default="", metavar="TEXT", help="--chat: a system message before the user's")
     parser.add_argument("--chat-template", default="", metavar="FILE",
@@ -277,12 +279,18 @@ def cmd_convert(args: list[str]) -> int:
     A LoRA checkpoint -> PEFT adapter folder, or with --merge the merged model's folder."""
     merge = "--merge" in args
     args = [a for a in args if a != "--merge"]
-    if len(args) != 2 or any(a.startswith("-") for a in args):
-        raise ConfigError("usage: fivefold convert [--merge] SRC DST (a fivefold checkpoint and a Hugging Face "
-                          "folder, either way round; --merge: a LoRA checkpoint's adapters merged into its base)")
+    base = ""
+    if "--base" in args:
+        at = args.index("--base")
+        base = args[at + 1] if at + 1 < len(args) else ""
+        args = args[:at] + args[at + 2:]
+    if len(args) != 2 or any(a.startswith("-") for a in args) or (base == "" and "--base" in args) or base.startswith("-"):
+        raise ConfigError("usage: fivefold convert [--merge] [--base FOLDER] SRC DST (a fivefold checkpoint and a "
+                          "Hugging Face folder, either way round; --merge: a LoRA checkpoint's adapters merged into "
+                          "its base; --base: that base's folder, when it is not where the checkpoint says)")
     from fivefold.tools.convert import convert
 
-    print(convert(*args, merge=merge))
+    print(convert(*args, merge=merge, base=base))
     return 0
 
 
@@ -322,7 +330,7 @@ def cmd_generate(args: list[str]) -> int:
     from fivefold.tools.generate import generate
 
     text, _ = generate(a.checkpoint, a.prompt, a.tokens, a.temperature, a.seed, a.tokenizer, a.chat, a.system,
-                       a.chat_template)
+                       a.chat_template, a.base)
     print(text)
     return 0
 

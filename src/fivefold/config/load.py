@@ -116,7 +116,8 @@ def _model_from_folder(raw_model: dict, read_folder: FolderReader | None) -> dic
             if have is not None and _coerce(name, v, type(have)) != have:
                 raise ConfigError(f"{name}={v} differs from {folder / 'config.json'} ({have}); drop it: "
                                   "model.init_from takes the model's shape from the folder")
-    return {**resolved, "init_from": str(folder), "preset": raw_model.get("preset", ModelConfig.preset)}
+    # Absolute: the checkpoints record it, and their outputs are read from any directory.
+    return {**resolved, "init_from": str(folder.resolve()), "preset": raw_model.get("preset", ModelConfig.preset)}
 
 
 def _resolve_model(raw_model: dict, read_folder: FolderReader | None) -> dict:

@@ -154,7 +154,7 @@ _PLAIN_LORA = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "bia
                "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None, "target_parameters": None}
 
 
-def _adapter_config(folder: Path) -> dict:
+def _adapter_config(folder: Path, base_override: str = "") -> dict:
     from fivefold.config.file_errors import guarded
 
     file = folder / ADAPTER_CONFIG
@@ -169,17 +169,23 @@ def _adapter_config(folder: Path) -> dict:
         if value != plain and not (not value and not plain):  # an empty pattern or list is the plain value
             raise ConfigError(f"{file} sets {key}={config[key]!r}, which fivefold's LoRA does not compute (it reads "
                               f"plain LoRA: {key}={plain!r}); merge the adapter with peft and load the merged folder")
+    if base_override:
+        if not (Path(base_override) / "config.json").is_file():
+            raise ConfigError(f"--base {base_override} is not a Hugging Face folder (no config.json); give the base "
+                              "model the adapter was trained on")
+        return config
     base = config.get("base_model_name_or_path")
     if not base or not (Path(base) / "config.json").is_file():
         raise ConfigError(f"{file} names base_model_name_or_path={base!r}, which is not a Hugging Face folder on "
-                          "this machine; set it to the local folder of the base model the adapter was trained on")
+                          "this machine; set it to the local folder of the base model the adapter was trained on, "
+                          "or give it with --base FOLDER")
     return config
 
 
-def load_peft_folder(folder) -> nn.Module:
+def load_peft_folder(folder, base: str = "") -> nn.Module:
     """The single-device model of a PEFT LoRA adapter folder: the base its adapter_config.json names
-    (a local Hugging Face folder), with the adapters beside the modules adapter_model.safetensors
-    names (fp32)."""
+    (a local Hugging Face folder), or `base` (`--base`) where that is elsewhere, with the adapters
+    beside the modules adapter_model.safetensors names (fp32)."""
     from safetensors.torch import load_file
 
     from fivefold.config.schema import LoraConfig
@@ -187,7 +193,9 @@ def load_peft_folder(folder) -> nn.Module:
     from fivefold.models.lora import add_adapters
 
     folder = Path(folder)
-    config = _adapter_config(folder)
+    config = _adapter_config(folder, base)
+    if base:
+        config = {**config, "base_model_name_or_path": str(base)}
     model = load_pretrained(config["base_model_name_or_path"])
     stored = load_file(str(folder / ADAPTER_WEIGHTS))
     lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=0.0,

@@ -31,17 +31,18 @@ from fivefold.models.hf_stream import HFBoxes, dequantised_note
 from fivefold.train import checkpoint_manifest, sharded_io
 from fivefold.train.checkpoint import FORMAT, read_state, read_tensors
 from fivefold.train.export import checkpoint_folder, checkpoint_to_hf, model_config, run_tokenizer, with_tokenizer
-from fivefold.train.lora_export import ADAPTER_CONFIG, adapted_model, lora_of, write_merged_folder
+from fivefold.train.lora_export import ADAPTER_CONFIG, adapted_model, lora_of, with_base, write_merged_folder
 from fivefold.train.save_failures import storage_error
 
 BLOCK_BYTES = 256 * 2**20  # the largest box an import writes (and a later reader of a slice loads)
 
 
-def checkpoint_to_model(path) -> torch.nn.Module:
+def checkpoint_to_model(path, base: str = "") -> torch.nn.Module:
     """The single-device model with the weights of a fivefold checkpoint (any saving layout), read
-    into fresh tensors: the peak is the model plus one stored piece."""
+    into fresh tensors: the peak is the model plus one stored piece. `base`: a LoRA checkpoint's
+    base folder, where it is not where the run read it."""
     path = checkpoint_folder(path)
-    state = read_state(path)
+    state = with_base(path, read_state(path), base)
     cfg = model_config(state, path)
     if lora_of(state) is not None:  # adapters only: the base is read from where the run read it
         return adapted_model(path, state, cfg)
@@ -108,13 +109,17 @@ def _checked_paths(src, dst) -> tuple[Path, Path]:
     return src, dst
 
 
-def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, merge: bool = False) -> str:
+def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, merge: bool = False, base: str = "") -> str:
     """Direction from what SRC is; returns a one-line summary. A LoRA checkpoint becomes a PEFT
-    adapter folder, or with `merge` a Hugging Face folder of the merged weights."""
+    adapter folder, or with `merge` a Hugging Face folder of the merged weights; `base` is its base
+    folder where that moved."""
     src, dst = _checked_paths(src, dst)
     if merge:
-        return _merge(src, dst, max_shard_bytes)
+        return _merge(src, dst, max_shard_bytes, base)
     if (src / "config.json").is_file():
+        if base:
+            raise ConfigError(f"--base names the base of a LoRA checkpoint, and {src} is a Hugging Face folder; "
+                              "drop --base")
         reader = HFBoxes(src)
         try:
             hf_to_checkpoint(src, dst, reader=reader)
@@ -128,7 +133,7 @@ def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, merge: bool = 
                f"--checkpoint.resume {dst})" + (f"; {note}" if note else "")
     if (src / "state.json").is_file() or (src / "latest").is_file():
         tokenizer = run_tokenizer(checkpoint_folder(src))  # its files go beside the weights when they exist
-        checkpoint_to_hf(src, dst, max_shard_bytes, tokenizer)
+        checkpoint_to_hf(src, dst, max_shard_bytes, tokenizer, base)
         if (dst / ADAPTER_CONFIG).is_file():
             return f"wrote PEFT adapter folder {dst} (fivefold convert --merge {src} DIR writes the merged model)"
         return f"wrote Hugging Face folder {dst}"
@@ -136,7 +141,7 @@ def convert(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, merge: bool = 
                       "(state.json or latest)")
 
 
-def _merge(src: Path, dst: Path, max_shard_bytes: int) -> str:
+def _merge(src: Path, dst: Path, max_shard_bytes: int, base: str = "") -> str:
     """`convert --merge`: a LoRA checkpoint's adapters merged into its base, as a Hugging Face folder."""
     if not ((src / "state.json").is_file() or (src / "latest").is_file()):
         raise ConfigError(f"--merge merges the adapters of a LoRA checkpoint, and {src} is not a fivefold "
@@ -146,6 +151,7 @@ def _merge(src: Path, dst: Path, max_shard_bytes: int) -> str:
     if lora_of(state) is None:
         raise ConfigError(f"--merge merges LoRA adapters, and checkpoint {path} holds a whole model (lora.rank "
                           "was 0); drop --merge to write it as a Hugging Face folder")
+    state = with_base(path, state, base)
     cfg = model_config(state, path)
     with_tokenizer(path, dst, run_tokenizer(path), lambda: write_merged_folder(path, state, cfg, dst, max_shard_bytes))
     return f"wrote Hugging Face folder {dst}: the base with the LoRA adapters of {path} merged into it"

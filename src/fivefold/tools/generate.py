@@ -35,7 +35,7 @@ def _tokenizer(name: str, what: str):
     return ByteTokenizer() if name == "byte" else HFTokenizer(name, what)
 
 
-def _source(path, tokenizer: str):
+def _source(path, tokenizer: str, base: str = ""):
     """(single-device model, tokenizer name, where the name came from) of a fivefold checkpoint or
     of a Hugging Face folder (an export: its own tokenizer.json beside the weights)."""
     path = Path(path)
@@ -45,21 +45,25 @@ def _source(path, tokenizer: str):
         own = path / "tokenizer.json"
         name, what = (tokenizer, "--tokenizer") if tokenizer else (str(own) if own.is_file() else "byte",
                                                                    f"the tokenizer of {path}")
-        return load_peft_folder(path), name, what
+        return load_peft_folder(path, base), name, what
     if (path / "config.json").is_file() and not (path / "state.json").is_file():
         from fivefold.models.hf import load_pretrained
 
+        if base:
+            raise ConfigError(f"--base names the base of LoRA adapters, and {path} is a whole Hugging Face model; "
+                              "drop --base")
         own = path / "tokenizer.json"
         name, what = (tokenizer, "--tokenizer") if tokenizer else (str(own) if own.is_file() else "byte",
                                                                    f"the tokenizer of {path}")
         return load_pretrained(path), name, what
     folder = checkpoint_folder(path)
     name, what = (tokenizer, "--tokenizer") if tokenizer else (run_tokenizer(folder), "the run's data.tokenizer")
-    return checkpoint_to_model(folder), name, what
+    return checkpoint_to_model(folder, base), name, what
 
 
 def generate(checkpoint, prompt: str, tokens: int = 200, temperature: float = 0.8, seed: int = 0,
-             tokenizer: str = "", chat: bool = False, system: str = "", chat_template: str = "") -> tuple[str, list[int]]:
+             tokenizer: str = "", chat: bool = False, system: str = "", chat_template: str = "",
+             base: str = "") -> tuple[str, list[int]]:
     """(prompt + the sampled continuation, the new token ids). temperature 0 = greedy (argmax).
     With `chat`, the prompt is a user message (after `system`, if given) rendered with the
     tokenizer's chat template and its generation prompt, and the text returned is the reply alone,
@@ -73,7 +77,7 @@ def generate(checkpoint, prompt: str, tokens: int = 200, temperature: float = 0.
         raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if (system or chat_template) and not chat:
         raise ConfigError("--system and --chat-template render a conversation; add --chat")
-    model, name, what = _source(checkpoint, tokenizer)
+    model, name, what = _source(checkpoint, tokenizer, base)
     tok = _tokenizer(name, what)
     model = model.eval()
     vocab, window = model.cfg.vocab_size, model.cfg.max_seq_len

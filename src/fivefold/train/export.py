@@ -10,6 +10,8 @@ files are written as the tensors arrive.
 
 from __future__ import annotations
 
+import dataclasses
+
 import tomllib
 from pathlib import Path
 
@@ -29,9 +31,13 @@ PREPARED_TOKENIZER = "tokenizer"  # where `fivefold prepare --chat` keeps a copy
 
 
 def model_config(state: dict, path: Path):
+    """The checkpoint's model settings as recorded, every key resolved: the model.init_from folder
+    is not read again (it may have moved; a LoRA checkpoint's base is checked where it is read)."""
     try:
-        return load_config(None, {"model": state["model"]}).model
-    except (KeyError, ConfigError) as err:
+        recorded = dict(state["model"])
+        folder = recorded.pop("init_from", "")
+        return dataclasses.replace(load_config(None, {"model": recorded}).model, init_from=folder)
+    except (KeyError, TypeError, ConfigError) as err:
         raise ConfigError(f"checkpoint {path}/state.json has no usable [model] settings ({err})") from None
 
 
@@ -60,14 +66,17 @@ def run_tokenizer(folder: Path) -> str:
     return data_tokenizer(saved.get("tokenizer", "byte"), saved.get("source", ""))
 
 
-def checkpoint_to_hf(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: str = "byte") -> Path:
+def checkpoint_to_hf(src, dst, max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: str = "byte",
+                     base: str = "") -> Path:
     """A Hugging Face folder from a fivefold checkpoint, one tensor in memory at a time; with a
     `tokenizer` file, its folder's tokenizer files are copied beside the weights. A LoRA checkpoint
     (adapters only) becomes a PEFT adapter folder instead (train/lora_export.py)."""
     path = checkpoint_folder(src)
     state = read_state(path)
+    from fivefold.train.lora_export import lora_of, with_base, write_peft_folder
+
+    state = with_base(path, state, base)
     cfg = model_config(state, path)
-    from fivefold.train.lora_export import lora_of, write_peft_folder
 
     if lora_of(state) is not None:
         return with_tokenizer(path, dst, tokenizer, lambda: write_peft_folder(path, state, cfg, dst))

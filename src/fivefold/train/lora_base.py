@@ -43,8 +43,16 @@ def base_fingerprint(cfg: Config) -> dict:
             for i in range(SAMPLES):  # the weights, sampled
                 f.seek(start + (size - start) * i // SAMPLES)
                 digest.update(f.read(SAMPLE_BYTES))
-    return {"init_from": str(cfg.model.init_from), "bytes": sum(f.stat().st_size for f in files),
+    # Absolute: a checkpoint's outputs (generate, convert, a PEFT folder) find it from any directory.
+    return {"init_from": str(Path(cfg.model.init_from).resolve()), "bytes": sum(f.stat().st_size for f in files),
             "sha256": digest.hexdigest()}
+
+
+def same_base(then: dict, now: dict) -> bool:
+    """The same seed, or a folder with the same safetensors (sizes, headers, sampled weights),
+    wherever it is now."""
+    keys = ("seed",) if "seed" in then else ("bytes", "sha256")
+    return all(then.get(k) == now.get(k) for k in keys) and ("seed" in then) == ("seed" in now)
 
 
 def check_lora_resume(path: Path, state: dict, cfg: Config) -> None:
@@ -66,7 +74,7 @@ def check_lora_resume(path: Path, state: dict, cfg: Config) -> None:
         print(f"warning: resuming {path} with changed LoRA keys ({', '.join(changed)}); the new values apply from "
               f"step {state['step'] + 1}", file=sys.stderr, flush=True)
     then, now = state.get("lora_base", {}), base_fingerprint(cfg)
-    if then == now:
+    if same_base(then, now):  # the same weights, wherever the folder is now
         return
     if "seed" in then:
         base = f"the seeded initialisation of train.seed={then['seed']}"

@@ -34,11 +34,28 @@ def lora_of(state: dict) -> LoraConfig | None:
     return LoraConfig(**saved) if saved and saved.get("rank") else None
 
 
+def with_base(path: Path, state: dict, base: str) -> dict:
+    """The checkpoint's state with its base folder at `base` (`--base FOLDER`, when the base is no
+    longer where the run read it), in its LoRA record and its model settings; the weights there are
+    still checked against what the run recorded. `base` empty: as recorded."""
+    if not base:
+        return state
+    recorded = state.get("lora_base", {})
+    if "init_from" not in recorded:
+        what = "the seeded initialisation (no base folder)" if "seed" in recorded else "a whole model, not adapters"
+        raise ConfigError(f"--base names the base folder of LoRA adapters, and checkpoint {path} holds {what}; "
+                          "drop --base")
+    folder = str(Path(base).resolve())
+    if not Path(folder).is_dir():
+        raise ConfigError(f"--base {base} is not a folder; give the Hugging Face folder the adapters were trained on")
+    return {**state, "lora_base": {**recorded, "init_from": folder}, "model": {**state["model"], "init_from": folder}}
+
+
 def _checked_base(path: Path, state: dict, cfg: ModelConfig) -> None:
     """One sentence when the base the adapters were trained on is not the one that would be read now."""
     from fivefold.config import Config
     from fivefold.config.schema import TrainConfig
-    from fivefold.train.lora_base import base_fingerprint
+    from fivefold.train.lora_base import base_fingerprint, same_base
 
     then = state.get("lora_base", {})
     if "seed" in then:
@@ -46,9 +63,10 @@ def _checked_base(path: Path, state: dict, cfg: ModelConfig) -> None:
     folder = then.get("init_from", "")
     if not Path(folder).is_dir():
         raise ConfigError(f"checkpoint {path} holds LoRA adapters trained on model.init_from={folder}, which is "
-                          "not a folder now; put that Hugging Face folder back at that path")
+                          "not a folder now; put that Hugging Face folder back at that path, or give its new "
+                          "place with --base FOLDER")
     now = base_fingerprint(Config(model=cfg, train=TrainConfig()))
-    if now != then:
+    if not same_base(then, now):
         raise ConfigError(f"checkpoint {path} holds LoRA adapters trained on model.init_from={folder} "
                           f"({then['bytes']} bytes of safetensors, headers {then['sha256'][:12]}), and that folder "
                           f"now holds other weights ({now['bytes']} bytes, headers {now['sha256'][:12]}); put the "
