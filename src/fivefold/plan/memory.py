@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from fivefold.plan.activations import activation_bytes
 from fivefold.plan.framework_memory import as_run_by, fixed_bytes, process_bytes
@@ -15,7 +16,7 @@ from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import adapter_param_counts, layer_adapter_params
 from fivefold.plan.model_stats import ModelStats
-from fivefold.plan.schedule import PipelineRank, pipeline_ranks
+from fivefold.plan.schedule import V_SHAPED, PipelineRank, _pipeline_ranks, chunks_per_rank, pipeline_ranks
 from fivefold.plan.workload import Workload
 
 
@@ -211,10 +212,56 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
                            detail={"params_per_rank": dense + experts, "layers": len(prank.layers)})
 
 
+def stage_shape(stats: ModelStats, prank: PipelineRank) -> tuple:
+    """What a pipeline rank's memory depends on besides its in-flight micro-batches: its ends
+    (embedding, output), which chunks send, and the kind of each layer of each chunk."""
+    def kind(i):
+        return stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers
+    return (prank.has_embedding, prank.has_output, prank.sends,
+            tuple(tuple(kind(i) for i in chunk) for chunk in prank.chunks))
+
+
+def candidate_ranks(workload: Workload, layout: Layout) -> list[tuple[int, PipelineRank]]:
+    """The pipeline ranks that can hold the most. Ranks of the same stage shape differ only in
+    their in-flight micro-batches (plan/schedule.py in_flight_per_chunk), and their memory is
+    linear in each chunk's count with positive weights. Outside the V-shaped schedules the counts
+    only fall with the rank's index: the first rank of each shape holds at least what the later
+    ones do. Under ZB-V and DualPipe-V the first chunk's count falls and the second's rises with
+    the index, each clipped at m: memory is concave and piecewise linear in the index, with kinks
+    where a count meets m, so its maximum over a shape's ranks is at the first or last rank of a
+    linear piece. (The search meets ~10^4 layouts at 8,192 GPUs: this keeps it near a second.)"""
+    ranks = pipeline_ranks(workload.stats, layout, workload.seq_len)
+    keep = _candidate_indices(workload.stats, layout.pp, chunks_per_rank(layout), layout.pp_schedule,
+                              layout.pp_layers, workload.seq_len, layout.micro_batches(workload.global_batch))
+    return [(r, ranks[r]) for r in keep]
+
+
+@lru_cache(maxsize=8192)
+def _candidate_indices(stats: ModelStats, p: int, v: int, schedule: str, pp_layers: str, seq_len: int,
+                       m: int) -> tuple[int, ...]:
+    """candidate_ranks' indices: they depend on the pipeline's shape only, not on dp, tp or ZeRO."""
+    ranks = _pipeline_ranks(stats, p, v, schedule in V_SHAPED, pp_layers, seq_len)
+    if len(ranks) <= 2 or any(not chunk for prank in ranks for chunk in prank.chunks):
+        return tuple(range(len(ranks)))  # (a stage without layers holds outputs, not activations)
+    groups: dict[tuple, list[int]] = {}
+    for r, prank in enumerate(ranks):
+        groups.setdefault(stage_shape(stats, prank), []).append(r)
+    if schedule not in V_SHAPED:
+        return tuple(sorted(members[0] for members in groups.values()))
+    kinks = (2 * p - 1 - m, 2 * p - m, m - 1)  # zbv: 2p-1-r and r+1 meet m; dualpipev: 2p-r
+    keep = set()
+    for members in groups.values():
+        pieces: dict[int, list[int]] = {}
+        for r in members:
+            pieces.setdefault(sum(r > k for k in kinks), []).append(r)
+        for piece in pieces.values():
+            keep.update((piece[0], piece[-1]))
+    return tuple(sorted(keep))
+
+
 def worst_rank_memory(workload: Workload, layout: Layout, hw: Hardware,
                       runtime: Runtime) -> MemoryBreakdown:
     """Peak memory of the pipeline rank that needs the most (first rank: most activations in
     flight and the embedding; last rank: output projection and logits)."""
-    ranks = pipeline_ranks(workload.stats, layout, workload.seq_len)
-    return max((rank_memory(workload, layout, hw, runtime, pr, r) for r, pr in enumerate(ranks)),
+    return max((rank_memory(workload, layout, hw, runtime, pr, r) for r, pr in candidate_ranks(workload, layout)),
                key=lambda mb: mb.total)
