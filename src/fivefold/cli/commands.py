@@ -9,6 +9,7 @@ import sys
 
 from fivefold.cli import help_text as cli_help
 from fivefold.config import ConfigError, to_toml
+from fivefold.config.validate_data import check_data_is_set
 from fivefold.configure import load_config, validate
 
 
@@ -181,6 +182,7 @@ def cmd_train(args: list[str]) -> int:
         cfg = load_config(config_path, overrides)
         given = any(a.startswith("--nproc") for a in args)
         validate(cfg, own.nproc * own.nnodes if given else _config_world(cfg))  # as `fivefold layout` does
+        check_data_is_set(cfg)  # what the launch would refuse
         from fivefold.tools.rank_map import format_rank_map
         from fivefold.train.supported import check_supported
 
@@ -192,12 +194,14 @@ def cmd_train(args: list[str]) -> int:
         from fivefold.runtime import runtime_from_env
 
         validate(cfg, runtime_from_env().world_size)
+        check_data_is_set(cfg)
         worker(config_path, overrides)
         return 0
     if own.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {own.nproc}")
     cfg = load_config(config_path, overrides)
     validate(cfg, own.nproc * own.nnodes)  # before any process starts
+    check_data_is_set(cfg)
     from fivefold.tools.rank_map import format_rank_map
     from fivefold.train.supported import check_supported
 

@@ -39,6 +39,8 @@ def parse_mix(mix: str) -> list[tuple[str, float]]:
 def check_data(cfg: Config) -> None:
     """data.source, data.tokenizer and data.mix against the files they name and model.vocab_size."""
     d, m = cfg.data, cfg.model
+    if not d.source and not d.mix:
+        return  # not set yet (the real-size configs): `plan` and `layout` need none, a launch refuses it
     if d.mix or (Path(d.source) / "manifest.json").is_file():  # a prepared folder (token_shards.py)
         _check_prepared_data(cfg)
         return
@@ -56,6 +58,16 @@ def check_data(cfg: Config) -> None:
         n_tokens = _tokenizer_size(d.tokenizer)
         _require(n_tokens <= m.vocab_size, f"the tokenizer has {n_tokens} tokens but model.vocab_size="
                  f"{m.vocab_size}; raise model.vocab_size to at least {n_tokens}")
+
+
+def check_data_is_set(cfg: Config) -> None:
+    """A launch needs data: the real-size configs leave data.source empty, so that a first run of
+    one does not train a billions-of-parameters model on the demo bytes with the byte tokenizer."""
+    d = cfg.data
+    _require(bool(d.source or d.mix), "data.source is not set, and this config's model is not one to train on "
+             "the built-in demo bytes; set data.source to your corpus (a folder from `fivefold prepare`, or "
+             "text/jsonl/parquet files) and data.tokenizer to the model's tokenizer.json, or data.source = "
+             "builtin to run on the demo bytes anyway")
 
 
 def check_documents(what: str, n_documents: int) -> None:

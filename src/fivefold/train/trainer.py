@@ -34,6 +34,7 @@ from fivefold.train.optim import build_optimizer, lr_multiplier, lr_scheduler, m
 from fivefold.train.prefetch import BatchPrefetcher
 from fivefold.train.startup import StartupPhases, describe_data, model_phase
 from fivefold.config.validate import ignored_note
+from fivefold.config.validate_data import check_data_is_set
 from fivefold.configure import validate
 from fivefold.train.supported import check_supported
 
@@ -121,6 +122,7 @@ def evaluate(par: Parallelized, held_out: GlobalBatches, cfg: Config, device: to
 
 
 def train(cfg: Config, rt: Runtime | None = None) -> TrainResult:
+    check_data_is_set(cfg)
     phases = StartupPhases()
     rt, par = setup(cfg, rt)
     phases.done(model_phase(cfg))
