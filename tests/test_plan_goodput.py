@@ -71,3 +71,12 @@ def test_plan_reports_goodput_and_cost_at_8192_gpus(capsys):
     assert hours == pytest.approx(1000 * cand["step_time_s"] / cand["goodput"] / 3600)
     assert cand["usd"] == pytest.approx(hours * 8192 * gp.DEFAULTS["usd_per_gpu_hour"])
     assert cand["kwh"] == pytest.approx(hours * 8192 * 700 / 1000)
+
+
+def test_the_table_states_goodput_and_cost(capsys):
+    code = run_plan(["--model.preset", "llama3-8b", "--cluster.gpus", "16", "--train.steps", "100",
+                     "--layout", "dp=16,zero=1,mbs=1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("1. goodput "))
+    assert "checkpoint every" in line and "days" in line and "$" in line and "kWh" in line

@@ -29,6 +29,19 @@ def _row(i: int, est: Estimate) -> list[str]:
             _seconds(est.step_time_s), f"{est.bubble_fraction:.0%}"]
 
 
+def _goodput_lines(candidates: list[Estimate]) -> list[str]:
+    """Goodput and the cost of train.steps steps (plan/goodput.py), where the command attached them."""
+    shown = [(i, est.goodput) for i, est in enumerate(candidates) if est.goodput]
+    if not shown:
+        return []
+    lines = ["", "goodput with failures (checkpoint interval that maximises it) and train.steps' cost:"]
+    for i, g in shown:
+        lines.append(f"{i + 1}. goodput {g.goodput:.1%} (checkpoint every {g.checkpoint_interval_s:,.0f} s of "
+                     f"training, {g.checkpoint_s:.1f} s each); {g.train_days:,.1f} days, ${g.usd:,.0f}, "
+                     f"{g.kwh:,.0f} kWh")
+    return lines
+
+
 def _band(est: Estimate) -> str:
     """The calibration's error beside the prediction: half the published runs fell within the
     first, nine in ten within the second (benchmarks/RESULTS.md, planner accuracy)."""
@@ -67,6 +80,7 @@ def table(candidates: list[Estimate], title: str, rejected: list[Rejected] | Non
             com = " ".join(f"{est.comm_bytes[k] / GB:.2g}" for k in ("dp", "tp", "pp", "cp", "ep"))
             lines.append(f"{i + 1}. memory {mem} | comm {com}")
     lines += _muon_lines(candidates)
+    lines += _goodput_lines(candidates)
     if candidates:
         lines += ["", f"time profile: {candidates[0].profile} (overlaps {candidates[0].overlaps})"]
         lines += ["± p50/p90: the time model's tokens/s error on published runs (half within the "
