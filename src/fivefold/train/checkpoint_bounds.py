@@ -38,9 +38,9 @@ def check_metadata(folder: Path, metadata) -> None:
         fits = (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0
                 and (sizes[name] < 0 or offset + length <= sizes[name]))  # a missing file is said at load
         if not fits:
-            raise ConfigError(f"checkpoint file {where} places {getattr(index, 'fqn', '?')} at bytes {offset}+{length} "
-                              f"of {name}, which holds {sizes[name]} bytes: the checkpoint is damaged or crafted; "
-                              "resume from another checkpoint")
+            raise ConfigError(f"checkpoint {folder} could not be read: a data file is corrupt, truncated or missing "
+                              f"({where.name} places {getattr(index, 'fqn', '?')} at bytes {offset}+{length} of {name}, "
+                              f"which holds {sizes[name]} bytes); resume from an earlier checkpoint")
     data_bytes = sum(s for s in sizes.values() if s > 0)
     declared = 0
     for fqn, item in metadata.state_dict_metadata.items():
