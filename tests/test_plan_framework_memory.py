@@ -78,3 +78,16 @@ def test_a_stack_rate_scales_the_gemms_and_not_the_memory():
     assert fast.time_parts["compute"] < slow.time_parts["compute"]
     assert fast.memory.total == slow.memory.total
     assert fast.memory_limit == slow.memory_limit == hw.memory_bytes
+
+
+def test_megatron_s_selective_recomputation_is_the_attention_core_only():
+    work, hw = _work(), hardware_for("h100")
+    none, selective = (Layout(dp=4, tp=2, zero=1, mbs=1, sp=True, recompute=r) for r in ("none", "selective"))
+    # Megatron recomputes the core attention only; a fused kernel keeps no scores: what 'none' keeps and costs
+    mega = estimate(work, selective, hw, MEGATRON_RUNTIME)
+    assert mega.memory.total == estimate(work, none, hw, MEGATRON_RUNTIME).memory.total
+    assert mega.step_time_s == estimate(work, none, hw, MEGATRON_RUNTIME).step_time_s
+    assert mega.layout.recompute == "selective"  # the answer names the layout as given
+    # fivefold's selective recomputes norms and activations (and branches): less memory than none
+    assert (estimate(work, selective, hw, FIVEFOLD_EAGER).memory.activations
+            < estimate(work, none, hw, FIVEFOLD_EAGER).memory.activations)

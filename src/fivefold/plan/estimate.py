@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from fivefold.plan import comm, gemm
 from fivefold.plan.attention_time import attention_seconds
 from fivefold.plan.expert_load import rank_imbalance
-from fivefold.plan.framework_memory import as_run_by
+from fivefold.plan.framework_memory import as_recomputed_by, as_run_by
 from fivefold.plan.grad_accum import accumulation_bytes_per_weight
 from fivefold.plan.hardware import Hardware, Runtime, on_stack
 from fivefold.plan.layout import Layout
@@ -287,6 +287,8 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     """Predict one layout (memory may be passed in when the caller already computed it)."""
     workload = as_run_by(workload, runtime)  # the framework's gradient buffer (plan/framework_memory.py)
     memory = memory or worst_rank_memory(workload, layout, hw, runtime)
+    # Megatron's selective recomputation runs as 'none' where attention is fused (plan/framework_memory.py)
+    given, layout = layout, as_recomputed_by(layout, runtime, hw, workload.stats)
     hw = on_stack(hw, runtime.matmul_rate)  # the framework's GEMM kernels (Runtime.matmul_rate)
     stats, pr = workload.stats, workload.precision
     order, gpn = workload.order, hw.gpus_per_node
@@ -374,7 +376,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     if muon:
         for dim, nbytes in muon.bytes.items():
             comm_bytes[dim] += nbytes
-    return Estimate(layout=layout, memory=memory, memory_limit=hw.memory_bytes, step_time_s=step,
+    return Estimate(layout=given, memory=memory, memory_limit=hw.memory_bytes, step_time_s=step,
                     tokens_per_sec_per_gpu=tok_s_gpu, mfu=mfu,
                     bubble_fraction=bubble_fraction(layout, m), comm_bytes=comm_bytes,
                     time_parts=parts, error=runtime.tokens_per_sec_error, profile=runtime.name,

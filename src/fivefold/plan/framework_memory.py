@@ -35,6 +35,17 @@ def as_run_by(workload: Workload, runtime: Runtime) -> Workload:
     return workload if pr is workload.precision else dataclasses.replace(workload, precision=pr)
 
 
+def as_recomputed_by(layout: Layout, runtime: Runtime, hw: Hardware, stats) -> Layout:
+    """The layout as the framework's recomputation runs it: Megatron's 'selective' recomputes only
+    the core attention, whose s x s scores a fused kernel never keeps, so it keeps (and costs) what
+    'none' does. (Its unfused A100-era core recomputes those scores in backward: plan/attention_time.py
+    counts that time whatever the setting.)"""
+    if (layout.recompute == "selective" and runtime.selective_recompute == "attention_core"
+            and hw.fuses_attention(stats)):
+        return dataclasses.replace(layout, recompute="none")
+    return layout
+
+
 def communicators(layout: Layout) -> int:
     """NCCL communicators a rank joins: one per parallel dimension of more than one rank (tp, the
     pipeline's peers, cp, the data-parallel gradient group over dp x cp, ep and, under ep, the

@@ -237,6 +237,12 @@ class Runtime:
     # (the torch stacks: fivefold, nanotron, torchtitan): Megatron-core's Transformer Engine
     # GEMMs are fitted on NVIDIA's published runs (plan/fitted.py).
     matmul_rate: float = 1.0
+    # What recompute = 'selective' recomputes: 'blocks' (fivefold: norms, activations and, where
+    # smaller, each residual branch apart: parallel/recompute.py, plan/branch_split.py) or
+    # 'attention_core' (Megatron-LM / Megatron-core: only the core attention, Korthikanti et al.
+    # 2022 s4.2; with a fused attention kernel no s x s scores are kept, so it keeps what 'none'
+    # keeps: plan/framework_memory.py).
+    selective_recompute: str = "blocks"
     # Gradient buffer bytes per weight when the framework keeps its gradients in another dtype than
     # the precision recipe (0: the recipe's). Megatron-core's performance recipes (NeMo 2,
     # Megatron-Bridge) set grad_reduce_in_fp32 = False: the main-grad buffer, which the weight-
@@ -314,6 +320,7 @@ TORCHTITAN_RUNTIME = dataclasses.replace(
 MEGATRON_2022_RUNTIME = dataclasses.replace(
     FIVEFOLD_COMPILED, regathers_inputs=True, regather_overlapped=True, pp_scatter_gather=True,
     dp_overlap_fraction=0.0, ep_overlap="none", attention_kernel="unfused", grad_accum="fused",
+    selective_recompute="attention_core",
     tokens_per_sec_error=(0.034, 0.066),  # the 9 Megatron-LM rows of published_runs_dev.csv (Korthikanti et al.)
     name="megatron-2022", overlaps="nothing: tp, pp and the dp all-reduce exposed (A100-era "
     "Megatron-LM and Megatron-DeepSpeed)")

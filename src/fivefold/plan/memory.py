@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fivefold.plan.activations import activation_bytes
-from fivefold.plan.framework_memory import as_run_by, fixed_bytes, process_bytes
+from fivefold.plan.framework_memory import as_recomputed_by, as_run_by, fixed_bytes, process_bytes
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import adapter_param_counts, layer_adapter_params
@@ -185,7 +185,7 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
                 prank: PipelineRank, rank: int) -> MemoryBreakdown:
     workload = as_run_by(workload, runtime)  # the framework's gradient buffer (plan/framework_memory.py)
     stats, pr = workload.stats, workload.precision
-    layout = as_trained(layout)
+    layout = as_trained(as_recomputed_by(layout, runtime, hw, stats))
     m = layout.micro_batches(workload.global_batch)
     dense, experts = rank_param_counts(stats, layout, prank)
     state = rank_state_bytes(workload, layout, prank)
