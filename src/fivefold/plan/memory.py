@@ -69,11 +69,21 @@ def layer_param_counts(stats: ModelStats, layout: Layout, layer: int) -> tuple[f
 
 def rank_param_counts(stats: ModelStats, layout: Layout, prank: PipelineRank) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of this pipeline rank, before ZeRO sharding."""
+    return _rank_param_counts(stats, layout.tp, layout.ep, prank.kinds, prank.has_embedding, prank.has_output)
+
+
+@lru_cache(maxsize=16384)
+def _rank_param_counts(stats: ModelStats, tp: int, ep: int, kinds: tuple, has_embedding: bool,
+                       has_output: bool) -> tuple[float, float]:
+    """rank_param_counts by what it depends on (the search asks for the same stage at every dp,
+    ZeRO stage and recomputation: computed once)."""
+    layout = Layout(tp=tp, ep=ep)
     dense = experts = 0.0
-    for layer, count in prank.kinds:
+    for layer, count in kinds:
         d, e = layer_param_counts(stats, layout, layer)
         dense += count * d
         experts += count * e
+    prank = PipelineRank((), has_embedding, has_output)
     return dense + root_params(stats, layout, prank), experts
 
 
