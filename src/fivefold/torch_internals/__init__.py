@@ -170,9 +170,20 @@ def forget_dtensor_shardings() -> None:
     # DTensor caches each operator's output sharding by its inputs' specs, and a DeviceMesh equals any
     # mesh of the same shape: once a layout's groups are destroyed, the next layout's equal mesh would
     # be handed cached specs naming the destroyed groups. Torch's own DTensor tests clear it so.
+    # Four more caches hold a mesh strongly (the redistribution planners, though keyed by a weak
+    # reference; the transforms between two specs; the mesh topology; the tensor metadata of each op
+    # schema): each layout's meshes, and their process groups with two gloo threads each per group,
+    # would outlive it in every rank.
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+    _gen_transform_infos.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
 
 
 def flight_recorder() -> tuple[list[dict], dict[str, list[int]]]:
