@@ -20,7 +20,8 @@ from fivefold.config import ConfigError
 # The tiny model of tests/layouts.py, on the command line: 6 steps, dp2·zero1 on 2 local ranks.
 ARGS = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.ffn_dim", "128", "--train.steps", "6", "--train.seq_len", "32", "--train.global_batch", "8",
-        "--train.lr", "0.003", "--train.warmup", "2", "--train.seed", "3", "--data.builtin_max_bytes", "200000",
+        "--train.lr", "0.003", "--train.warmup", "2", "--train.seed", "3", "--train.adam_eps", "1e-6",
+        "--train.muon_ns_dtype", "fp32", "--data.builtin_max_bytes", "200000",
         "--log.progress", "false", "--nproc", "2", "--parallel.dp", "2", "--parallel.zero", "1",
         "--checkpoint.every", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -285,6 +285,12 @@ class ClusterConfig:
     # The network between nodes: a rail-optimised full-bisection fat tree (H100/B200 clusters), or an
     # oversubscribed one whose per-GPU bandwidth falls with the nodes a collective spans (docs/planner.md).
     fabric: str = checked("full_bisection", choices=FABRICS)  # full_bisection | tapered
+    # Goodput and cost (plan/goodput.py, docs/planner.md); 0 = the documented default.
+    mtbf_gpu_hours: float = checked(0.0, ge=0, note="0 = 50,700, the Llama 3 report's")  # mean hours between failures of one GPU
+    restart_s: float = checked(0.0, ge=0, note="0 = 600")  # from a failure to training again, checkpoint load excluded
+    storage_gbps: float = checked(0.0, ge=0, note="0 = 1.0")  # checkpoint write and read bandwidth per node, GB/s
+    usd_per_gpu_hour: float = checked(0.0, ge=0, note="0 = 2.0")  # price of one GPU-hour
+    watts_per_gpu: float = checked(0.0, ge=0, note="0 = the GPU's board power")  # power drawn per GPU
 
 
 @dataclass
