@@ -163,8 +163,7 @@ def document_source(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sixteen_rank_results(document_source):
     # 16 ranks on a 2-core machine: several minutes; the timeout only guards against a hang.
-    # (The matrix's 16 ranks are a spawn of their own: every layout leaves its gloo groups' threads
-    # behind in a rank, and 17 layouts in one spawn ran 4x slower than 10 and 7 apart.)
+    # (The matrix's 16 ranks are a spawn of their own: each spawn well inside its timeout on a slow machine.)
     return run_on_ranks(16, _sixteen, [*FULL, BF16, with_documents(DOCUMENTS, document_source), MUON, LORA],
                         timeout_s=1200)
 
