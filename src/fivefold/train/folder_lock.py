@@ -113,7 +113,8 @@ def hold_run_folders(cfg) -> None:
     folders = [(Path(cfg.log.dir), "log.dir")] if cfg.log.dir else []
     root = checkpoint_root(cfg)
     c = cfg.checkpoint
-    if root is not None and (c.every or c.export_hf or root.exists()) and not (folders and root == folders[0][0]):
+    # c.dir named: a stop signal's save writes there even with checkpoint.every = 0.
+    if root is not None and (c.every or c.export_hf or c.dir or root.exists()) and not (folders and root == folders[0][0]):
         folders.append((root, "checkpoint.dir"))
     for folder, key in folders:
         warning = acquire(folder, key)
