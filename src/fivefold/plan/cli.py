@@ -66,6 +66,28 @@ class _Arguments(argparse.ArgumentParser):
         raise PlanError(f"fivefold plan: {message}; see `fivefold plan --help`")
 
 
+def assumed(cfg) -> str:
+    """What the plan prices, said in its header: precision, sequence, global batch, LoRA."""
+    t = cfg.train
+    lora = f"LoRA rank {cfg.lora.rank} on {cfg.lora.targets}" if cfg.lora.rank else "no LoRA"
+    return f"{t.dtype}{' + fp8 ' + t.fp8 if t.fp8 else ''}, seq {t.seq_len}, global batch {t.global_batch}, {lora}"
+
+
+def demo_defaults_note(cfg) -> str:
+    """A model planned at the trainer's tiny-model defaults (fp32, sequence 128, 16 sequences): said,
+    since a real run of it would not use them."""
+    from fivefold.config.schema import TrainConfig
+
+    defaults = TrainConfig()
+    t = cfg.train
+    if (t.dtype, t.seq_len, t.global_batch) != (defaults.dtype, defaults.seq_len, defaults.global_batch) \
+            or cfg.model.max_seq_len <= defaults.seq_len:
+        return ""
+    return (f"\nnote: planned at the trainer's demo defaults (fp32, seq {defaults.seq_len}, global batch "
+            f"{defaults.global_batch}); a real run of this model sets --train.dtype bf16, --train.seq_len (up to "
+            f"its {cfg.model.max_seq_len}) and --train.global_batch")
+
+
 def _parser() -> _Arguments:
     parser = _Arguments(prog="fivefold plan", add_help=False, allow_abbrev=False)
     parser.add_argument("-h", "--help", action="store_true")
@@ -277,8 +299,8 @@ def _plan(argv: list[str]) -> int:
         explain(ranked)  # the comparisons name the runner-up that survived the re-check
         candidates, rejected = ranked, result.rejected
         n_fitting, n_rejected = len(result.ranked), result.n_rejected
-        title = (f"{name} on {gpus} x {hw.name} ({hw.memory_bytes / GiB:.1f} GiB = {hw.memory_bytes / GB:.1f} GB), seq {workload.seq_len}, "
-                 f"global batch {workload.global_batch}: best layouts by predicted tokens/s per GPU")
+        title = (f"{name} on {gpus} x {hw.name} ({hw.memory_bytes / GiB:.1f} GiB = {hw.memory_bytes / GB:.1f} GB), "
+                 f"{assumed(cfg)}: best layouts by predicted tokens/s per GPU" + demo_defaults_note(cfg))
 
     for est in candidates:  # goodput and cost of train.steps steps (plan/goodput.py)
         est.goodput = goodput(workload, est.layout, hw, est.step_time_s, cfg.train.steps, cfg.cluster)
