@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from fivefold.configure import load_config
-from fivefold.plan.hardware import PROFILES, device_peak_flops
+from fivefold.plan.hardware import PROFILES
+from fivefold.plan.peak_flops import device_peak_flops
 from fivefold.plan.model_stats import model_stats
 from fivefold.config.presets import PRESETS
 

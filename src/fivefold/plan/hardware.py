@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fivefold.plan.fitted import MEGATRON_BAND, MEGATRON_FP8_SPEEDUP, MEGATRON_MATMUL_RATE
+from fivefold.plan.peak_flops import PEAK_FLOPS
 
 GB = 1e9
 TB = 1e12
@@ -68,7 +69,7 @@ class Hardware:
     # larger than that has every transfer's path cross the spine.
     scalable_unit_nodes: int = 32
     fused_attention: bool = True  # FlashAttention-style kernel: no s^2 score matrix is stored
-    # Fixed memory every process on the device pays before any tensor (plan/fixed_memory.py):
+    # Fixed memory every process on the device pays before any tensor (plan/framework_memory.py):
     # the CUDA context with its loaded kernels (CUDA 12 lazy loading: ~0.5 GiB measured by
     # PyTorch on A100/H100, "CUDA semantics: memory management"); and the buffers of each NCCL
     # communicator the rank joins: NCCL_BUFFSIZE (4 MiB) per channel for each of the send and
@@ -92,26 +93,6 @@ class Hardware:
 
 # Dense tensor-core peaks per device, FLOP/s: (bf16, fp32 as TF32), datasheet values. The one
 # table: the profiles below and the trainer's MFU (train/metrics.py, by the name CUDA reports) read it.
-PEAK_FLOPS: dict[str, tuple[float, float]] = {
-    "a100": (312 * TB, 156 * TB),
-    "h100": (989 * TB, 494 * TB),
-    "h200": (989 * TB, 494 * TB),
-    "h800": (989 * TB, 494 * TB),
-    "b200": (2250 * TB, 1100 * TB),
-    "l40s": (362 * TB, 183 * TB),
-}
-
-
-def device_peak_flops(device_name: str, dtype: str) -> float | None:
-    """Peak FLOP/s of a GPU by the name CUDA reports ("NVIDIA H100 80GB HBM3") for a run's dtype
-    (bf16 | fp32), or None for a device the table does not know."""
-    name = device_name.lower()
-    for key, (bf16, tf32) in PEAK_FLOPS.items():
-        if key in name:
-            return bf16 if dtype == "bf16" else tf32
-    return None
-
-
 # Datasheet values (NVIDIA SXM parts, DGX/HGX-style nodes of 8 GPUs with one 400 Gb/s NIC per GPU).
 # Bus bandwidths are what NCCL reaches, about 80% of the link rate: NVLink 4 moves 450 GB/s each
 # way per GPU, so ~360 GB/s; a 400 Gb/s NIC moves 50 GB/s, so ~40 GB/s.

@@ -44,11 +44,9 @@ from fivefold.train.lora_base import check_lora_resume, lora_state
 from fivefold.train.save_failures import save_problem, storage_error
 from fivefold.train.faults import restart_count
 from fivefold.train.rerun import refuse_restart_over
+from fivefold.train.step_folders import LATEST, MARKER, PREFIX, foreign, newer_latest, prune, remove_ours
 
 FORMAT = 2  # 1: whole tensors in safetensors; 2: DCP shards
-LATEST = "latest"
-PREFIX = "step_"
-MARKER = ".fivefold-checkpoint"  # in every folder fivefold writes; nothing without it is deleted
 
 def checkpoint_root(cfg: Config) -> Path | None:
     if cfg.checkpoint.dir:
@@ -113,9 +111,9 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
         with guarded(root, "create checkpoint folder in", "or set checkpoint.dir to another folder"):
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".tmp-*"):  # an earlier save that was killed half-way
-                _remove_ours(stale)
+                remove_ours(stale)
             if tmp.exists():
-                raise _foreign(tmp)
+                raise foreign(tmp)
             tmp.mkdir()
             (tmp / MARKER).write_text("written by fivefold; checkpoint folders without this file are never deleted\n")
     _barrier()  # nobody writes into the temporary folder before it is clean
@@ -171,7 +169,7 @@ def _write(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict, state
         if cause is None:
             raise
         if is_main:  # DCP fails on every rank at once; rank 0 frees what the half-written save took
-            _remove_ours(tmp)
+            remove_ours(tmp)
         raise save_problem(root, final, cause) from None
 
 
@@ -191,51 +189,19 @@ def _write_files(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict,
     _fsync_dir(tmp)
     if final.exists():  # the same step saved again after a restart
         if not (final / MARKER).is_file():
-            raise _foreign(final)
+            raise foreign(final)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    newer = _newer_latest(root, final.name)
+    newer = newer_latest(root, final.name)
     if newer is None:  # `latest` never moves back to an older step (a later resume=auto continues the newest)
         latest_tmp = root / f".tmp-{LATEST}"
         latest_tmp.write_text(final.name + "\n")
         os.replace(latest_tmp, root / LATEST)
     _fsync_dir(root)
-    _prune(root, cfg.checkpoint.keep, keep_name=final.name)
+    prune(root, cfg.checkpoint.keep, keep_name=final.name)
     size = sum(d[0] for d in json.loads((final / checkpoint_manifest.MANIFEST).read_text())["files"].values())
     print(f"saved step {state['step']} to {final} ({size / 2**20:,.1f} MiB in {time.perf_counter() - started:.1f} s)"
           + (f"; {root / LATEST} stays at the newer {newer}" if newer else ""), flush=True)
-
-
-def _newer_latest(root: Path, name: str) -> str | None:
-    """The step folder `latest` names when it is newer than `name` and whole, else None."""
-    try:
-        current = (root / LATEST).read_text().strip()
-    except OSError:
-        return None
-    if current > name and outside(root, current) is None and (root / current / checkpoint_manifest.MANIFEST).is_file():
-        return current
-    return None
-
-
-def _foreign(path: Path) -> ConfigError:
-    return ConfigError(f"checkpoint folder {path} already exists and was not written by fivefold "
-                       f"(no {MARKER}); move it away or set another checkpoint.dir")
-
-
-def _remove_ours(path: Path) -> None:
-    """Delete a folder fivefold wrote (it holds the MARKER); anything else is left alone."""
-    if path.is_dir() and (path / MARKER).is_file():
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _prune(root: Path, keep: int, keep_name: str) -> None:
-    """Keep the last `keep` checkpoints fivefold wrote; foreign folders neither count nor go."""
-    if keep <= 0:
-        return
-    steps = sorted(p for p in root.glob(f"{PREFIX}*") if (p / MARKER).is_file())
-    for old in steps[:-keep]:
-        if old.name != keep_name:
-            _remove_ours(old)
 
 
 def resolve(cfg: Config) -> Path | None:

@@ -18,7 +18,7 @@ import torch
 
 from fivefold.config import ConfigError
 from fivefold.config.file_errors import guarded
-from fivefold.plan.hardware import device_peak_flops
+from fivefold.plan.peak_flops import device_peak_flops
 
 
 def peak_flops(device: torch.device, dtype: str, override_tflops: float = 0.0) -> float | None:
