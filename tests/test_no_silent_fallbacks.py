@@ -157,7 +157,7 @@ def _adamw_steps(param, fused: bool, steps: int = 3):
     if fused:
         optimizer = adamw([param], cfg)
     else:  # PyTorch's reference loop, which handles any strides
-        optimizer = torch.optim.AdamW([param], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+        optimizer = torch.optim.AdamW([param], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                                       weight_decay=cfg.weight_decay, foreach=False, fused=False)
     for step in range(steps):
         param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(step)).t().t()
