@@ -8,12 +8,16 @@ import dataclasses
 import pytest
 
 from fivefold.config import ModelConfig
+from fivefold.config.schema import MoEConfig
+from fivefold.plan.activations import layer_activation_bytes
 from fivefold.plan.attention_time import attention_seconds
 from fivefold.plan.estimate import estimate
 from fivefold.plan.framework_memory import communicators, process_bytes
 from fivefold.plan.hardware import FIVEFOLD_EAGER, MEGATRON_2022_RUNTIME, MEGATRON_RUNTIME, PROFILES, hardware_for
 from fivefold.plan.layout import Layout
+from fivefold.plan.memory import rank_memory
 from fivefold.plan.model_stats import model_stats
+from fivefold.plan.schedule import in_flight_per_chunk, pipeline_ranks
 from fivefold.plan.workload import PRECISIONS, Workload
 
 GiB = 2 ** 30
@@ -91,3 +95,31 @@ def test_megatron_s_selective_recomputation_is_the_attention_core_only():
     # fivefold's selective recomputes norms and activations (and branches): less memory than none
     assert (estimate(work, selective, hw, FIVEFOLD_EAGER).memory.activations
             < estimate(work, none, hw, FIVEFOLD_EAGER).memory.activations)
+
+
+def test_megatron_frees_each_sent_stage_output():
+    work, hw = _work(), hardware_for("h100")
+    layout = Layout(dp=2, pp=4, tp=2, sp=True, zero=1, mbs=1, pp_schedule="interleaved_1f1b", pp_virtual=2)
+    m = layout.micro_batches(work.global_batch)
+    prank = pipeline_ranks(work.stats, layout, work.seq_len)[0]
+    keeps = dataclasses.replace(MEGATRON_RUNTIME, frees_sent_outputs=False)
+    kept = rank_memory(work, layout, hw, keeps, prank, 0).activations
+    freed = rank_memory(work, layout, hw, MEGATRON_RUNTIME, prank, 0).activations
+    # deallocate_output_tensor: each in-flight micro-batch's output of every sending chunk, bf16,
+    # its 1/tp of the sequence, is what fivefold keeps and Megatron does not
+    sent = sum(n for n, sends in zip(in_flight_per_chunk(layout, 0, m), prank.sends) if sends)
+    assert sent > 0
+    assert kept - freed == pytest.approx(sent * work.seq_len * work.stats.dim / 2 * 2)
+
+
+def test_megatron_s_routed_copies_keep_input_fc1_and_weighted_activation():
+    model = ModelConfig(dim=2880, n_layers=4, n_heads=64, n_kv_heads=8, ffn_dim=2880, vocab_size=32000,
+                        max_seq_len=4096, moe=MoEConfig(n_experts=128, top_k=4, expert_ffn_dim=2880))
+    work = Workload(stats=model_stats(model), seq_len=4096, global_batch=64, precision=PRECISIONS["bf16"])
+    layout, hw = Layout(dp=8, ep=8, zero=1, mbs=1), hardware_for("b200")
+    moe = next(i for i in range(4) if work.stats.is_moe(i))
+    per_token = {rt.name: layer_activation_bytes(work, moe, layout, "none", hw, rt, imbalance=1.0)
+                 for rt in (FIVEFOLD_EAGER, MEGATRON_RUNTIME)}
+    h, k = work.stats.dim, work.stats.top_k
+    # fivefold keeps 3h + 3f per copy (dispatched, combined, weighted; SwiGLU), Megatron h + 3f
+    assert per_token["fivefold-eager"] - per_token["megatron"] == pytest.approx(k * 2 * h * 2)

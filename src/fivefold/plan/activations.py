@@ -33,7 +33,9 @@ the queries and of the attention output (h unless head_dim is explicit, as in Qw
       every term below is /t; the ffn norm's output is then read locally, h/t, not gathered):
       the k dispatched copies of each token, their expert output and
       its weighted copy 3kh, each copy's SwiGLU 3kf (x A), shared experts' SwiGLU, the routing
-      bookkeeping (fp32 scores, int64 top-k and sort indices: 4E + 41k bytes)
+      bookkeeping (fp32 scores, int64 top-k and sort indices: 4E + 41k bytes); Megatron-core's
+      grouped experts weight each copy inside the activation (Runtime.moe_probs_in_activation) and
+      keep per copy its input, fc1's output and the weighted activation: (h + 3f) x A
 'selective' keeps the block input and the outputs of the matmuls and attention (q, k, v and the
 attention output, and the row-parallel outputs whole, h x A, before their reduce-scatter; ring
 attention's cp kernels each keep their output and lse, all queries' on the last cp rank) — or, where
@@ -41,8 +43,9 @@ that is smaller (plan/branch_split.py: tp ≥ 4 for Llama shapes), checkpoints t
 branches apart and keeps the stream between them (h/s x S) and the output projections' inputs (the
 attention output, and the SwiGLU product f/t x A) instead of their whole outputs; 'full'
 keeps the block input. Per micro-batch the forward also keeps the RoPE tables (fp32 cos and sin,
-seq/cp x head_dim each); the last stage keeps the final norm, the fp32 log-softmax of the logits and
-the int64 labels. The weights' compute-dtype copies are model state ('other'), not activations.
+seq/cp x head_dim each) and each sent stage output until its backward (unless
+Runtime.frees_sent_outputs: Megatron's deallocate_output_tensor); the last stage keeps the final
+norm, the fp32 log-softmax of the logits and the int64 labels. The weights' compute-dtype copies are model state ('other'), not activations.
 
 'nanotron' — Korthikanti et al. 2022 (arXiv 2205.05198) as the Playbook's nanotron runs keep it,
 for benchmarks/planner_accuracy.py. Per token of one micro-batch, a layer saves:
@@ -123,11 +126,12 @@ def rank_activation_elements(stats: ModelStats, prank: PipelineRank, layout: Lay
 
 def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len: int, recompute: str,
                          precision, fused_attention: bool, keep_gathered: bool = False, trained: bool = True,
-                         imbalance: float = 1.0) -> float:
+                         imbalance: float = 1.0, probs_in_activation: bool = False) -> float:
     """Bytes one of fivefold's blocks keeps per token of one micro-batch on one rank (docstring).
     keep_gathered: parallel.sp_keep_gathered (else, with sp and no recomputation, the matmuls
     reading the gathered sequence keep its shard: parallel/tensor/sharded_inputs.py). imbalance:
-    the busiest ep rank's routed rows over the mean (plan/expert_load.py), which it keeps copies of."""
+    the busiest ep rank's routed rows over the mean (plan/expert_load.py), which it keeps copies of.
+    probs_in_activation: Runtime.moe_probs_in_activation (a routed copy keeps h + 3f, not 3h + 3f)."""
     h, t = stats.dim, layout.tp
     s = t if (t > 1 and layout.sp) else 1
     S, A = precision.param_bytes, precision.act_bytes
@@ -140,7 +144,8 @@ def fivefold_layer_bytes(stats: ModelStats, layer: int, layout: Layout, seq_len:
         f = stats.expert_hidden
         k, n_experts = stats.top_k, stats.n_experts
         n_shared = stats.shared_expert_params / stats.expert_params
-        mlp = ((imbalance * 3 * k * (h + f) + n_shared * 3 * f) * A
+        copy = h + 3 * f if probs_in_activation else 3 * (h + f)  # per routed copy (docstring)
+        mlp = ((imbalance * k * copy + n_shared * 3 * f) * A
                + 4 * n_experts + 41 * k + 4) / t  # routing bookkeeping: scores, top-k, sort (int64)
         # The router reads the ffn norm's output locally (h/t), not gathered whole as `norms` counts.
         mlp -= gathered - h / t * A
@@ -225,7 +230,8 @@ def layer_activation_bytes(workload: Workload, layer: int, layout: Layout, recom
     if runtime.activation_recipe == "fivefold":
         return (fivefold_layer_bytes(stats, layer, layout, seq, recompute, workload.precision,
                                      hw.fuses_attention(stats), keeps_gathered(workload, runtime),
-                                     trained=not workload.lora.rank, imbalance=imbalance)
+                                     trained=not workload.lora.rank, imbalance=imbalance,
+                                     probs_in_activation=runtime.moe_probs_in_activation)
                 + adapter_activation_bytes(stats, layer, layout, recompute, workload.lora,
                                            workload.precision.act_bytes))
     return (layer_activation_elements(stats, layer, layout, seq, recompute, hw.fuses_attention(stats), imbalance)
@@ -287,7 +293,7 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
             # Each micro-batch's RoPE tables: fp32 cos and sin of its local positions (one per
             # sequence position, shared by the batch).
             saved += count * 2 * 4 * workload.seq_len / layout.cp * workload.stats.rope_dim
-        if fivefold and sends:  # the outputs sent on, until the send is known done
+        if fivefold and sends and not runtime.frees_sent_outputs:  # outputs sent on, until the send is known done
             saved += outputs_held(layout, count, micro_batches) * tokens * stream
     # The backward of one layer materialises gradients about as large as what that layer saved;
     # under full recomputation it first rebuilds that layer's activations as well.

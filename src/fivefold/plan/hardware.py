@@ -229,6 +229,13 @@ class Runtime:
     # Megatron-Bridge) set grad_reduce_in_fp32 = False: the main-grad buffer, which the weight-
     # gradient GEMMs accumulate into and the distributed optimizer reduce-scatters, is bf16 (2).
     grad_buffer_bytes: float = 0.0
+    # Megatron's pipeline frees each stage output's data once sent (deallocate_output_tensor: the
+    # next stage holds the copy; only the graph is kept). fivefold keeps it until its backward.
+    frees_sent_outputs: bool = False
+    # Megatron-core's grouped experts apply the router's weights inside the activation (weighted
+    # SwiGLU): a routed copy keeps its input, fc1's output and the weighted activation (h + 3f),
+    # not fivefold's dispatched, combined and weighted copies (3h + 3f; plan/activations.py).
+    moe_probs_in_activation: bool = False
     # The fused attention kernel's rate over a large GEMM's, on the FLOPs it runs (a causal mask
     # skips half the square; the FLOP count stays the full square, PaLM's 12 L h s). 0.5: a
     # FlashAttention-2-class kernel (PyTorch SDPA's flash backend) on Hopper, ~350 TFLOP/s forward
@@ -325,6 +332,7 @@ MEGATRON_DEEPSPEED_RUNTIME = dataclasses.replace(
 # NVIDIA cuDNN 9 release notes), 0.7 of a large GEMM's rate on the work it runs.
 MEGATRON_RUNTIME = dataclasses.replace(
     MEGATRON_2022_RUNTIME, dp_overlap_fraction=1.0, param_gather_overlapped=True, grad_buffer_bytes=2.0,
+    frees_sent_outputs=True, moe_probs_in_activation=True,
     reduce_bytes=2.0, attention_rate=0.7, matmul_rate=MEGATRON_MATMUL_RATE,
     float8_linear_speedup=MEGATRON_FP8_SPEEDUP,
     tokens_per_sec_error=MEGATRON_BAND,  # out of sample: benchmarks/calibrate_stacks.py
