@@ -1,16 +1,20 @@
-"""Peak host memory of the language-model loss: plain F.cross_entropy on fp32 logits against the
-chunked loss of parallel/loss.py (models/cross_entropy.py), at a 32K vocabulary.
+"""Peak host memory of the language-model loss at a 32K vocabulary: plain F.cross_entropy on fp32
+logits, the chunked loss of logits (models/cross_entropy.py), and the output layer fused with its
+loss (models/linear_cross_entropy.py, what training runs), which never makes the logits.
 
 Each measurement runs in a fresh subprocess (`--one plain|chunked`), so no allocator state carries
 over. It holds the hidden states h (tokens, dim) and the output weight W (vocab, dim), resets the
 process's peak resident set (Linux: writing 5 to /proc/self/clear_refs resets VmHWM to the current
-VmRSS), then runs what a training step runs from there: logits = h Wᵀ in the compute dtype, the loss,
-and backward to h and W (its wall time is printed too: one step, noisy on a shared CPU). The loss's *extra* peak memory is
+VmRSS), then runs what a training step runs from there: logits = h Wᵀ in the compute dtype and the loss
+(plain, chunked), or the fused loss of h and W, and backward to h and W (its wall time is printed
+too: one step, noisy on a shared CPU). Two figures, both against the whole fp32 logits
+(tokens · vocab · 4 bytes):
 
-    VmHWM - VmRSS at the reset - the compute-dtype logits,
+    beyond inputs = VmHWM - VmRSS at the reset        (what the step adds to h and W, logits included)
+    extra         = beyond inputs - the compute-dtype logits the loss was handed (none when fused)
 
-i.e. what the step's peak holds beyond its inputs and the logits the output projection must
-produce; it is reported against the whole fp32 logits (tokens · vocab · 4 bytes). It includes the
+"extra" is the loss's own memory given that logits exist; "beyond inputs" is what the fused layer
+removes too: the logits themselves. It includes the
 gradients of h and W where they are alive at the peak (small at dim 64: 9 MiB at vocab 32768), and
 resident memory counts whole pages and any memory the allocator keeps after a free, so it can only
 overstate the loss's own extra. The measuring process runs with glibc's MALLOC_MMAP_THRESHOLD_
@@ -19,7 +23,7 @@ mapping, returned to the system when freed, so resident memory follows the live 
 kept by the allocator from the warm-up step cannot hide in the baseline. Where clear_refs cannot be written the fresh
 process's ru_maxrss (getrusage) is used instead, the baseline being its value before the step.
 
-    OMP_NUM_THREADS=1 python benchmarks/loss_memory.py                 # both losses, fp32 and bf16
+    OMP_NUM_THREADS=1 python benchmarks/loss_memory.py                 # the three losses, fp32 and bf16
     python benchmarks/loss_memory.py --one chunked --dtype bf16 --json # one measurement (the test's)
 """
 
@@ -63,6 +67,7 @@ def measure(which: str, dtype_name: str, tokens: int, vocab: int, dim: int) -> d
     import torch
     import torch.nn.functional as F
 
+    from fivefold.models.linear_cross_entropy import linear_cross_entropy
     from fivefold.parallel.loss import LMLoss
 
     torch.manual_seed(0)
@@ -73,6 +78,10 @@ def measure(which: str, dtype_name: str, tokens: int, vocab: int, dim: int) -> d
     loss_fn = LMLoss()
 
     def step():
+        if which == "fused":
+            loss = linear_cross_entropy(h, w, labels) / labels.numel()
+            loss.backward()
+            return loss.detach()
         logits = F.linear(h, w)
         if which == "plain":
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -90,18 +99,20 @@ def measure(which: str, dtype_name: str, tokens: int, vocab: int, dim: int) -> d
     seconds = time.perf_counter() - start
     peak = _peak(how)
     element = torch.empty((), dtype=dtype).element_size()
-    logits_bytes = tokens * vocab * element
+    logits_bytes = 0 if which == "fused" else tokens * vocab * element
     fp32_logits = tokens * vocab * 4
-    extra = peak - base - logits_bytes
+    beyond = peak - base
+    extra = beyond - logits_bytes
     return {"loss": which, "dtype": dtype_name, "tokens": tokens, "vocab": vocab, "dim": dim,
             "peak_read": how, "value": float(loss), "fp32_logits_MiB": fp32_logits / 2 ** 20,
             "extra_MiB": extra / 2 ** 20, "extra_over_fp32_logits": extra / fp32_logits,
+            "beyond_inputs_MiB": beyond / 2 ** 20, "beyond_inputs_over_fp32_logits": beyond / fp32_logits,
             "step_s": seconds}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", choices=["plain", "chunked"], help="measure one loss in this process")
+    parser.add_argument("--one", choices=["plain", "chunked", "fused"], help="measure one loss in this process")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=32768)
@@ -118,15 +129,17 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print(f"tokens {args.tokens}, vocab {args.vocab}, dim {args.dim}: whole fp32 logits "
           f"{args.tokens * args.vocab * 4 / 2 ** 20:.0f} MiB")
-    print(f"{'dtype':6} {'loss':8} {'extra peak MiB':>15} {'x fp32 logits':>14} {'loss value':>12} {'step s':>7}")
+    print(f"{'dtype':6} {'loss':8} {'beyond inputs MiB':>18} {'x fp32 logits':>14} {'extra MiB':>10} "
+          f"{'x fp32 logits':>14} {'loss value':>12} {'step s':>7}")
     for dtype in ("fp32", "bf16"):
-        for which in ("plain", "chunked"):
+        for which in ("plain", "chunked", "fused"):
             out = subprocess.run([sys.executable, __file__, "--one", which, "--dtype", dtype, "--tokens",
                                   str(args.tokens), "--vocab", str(args.vocab), "--dim", str(args.dim), "--json"],
                                  capture_output=True, text=True, env=env, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{dtype:6} {which:8} {r['extra_MiB']:15.1f} {r['extra_over_fp32_logits']:14.3f} "
-                  f"{r['value']:12.6f} {r['step_s']:7.3f}   (peak read from {r['peak_read']})")
+            print(f"{dtype:6} {which:8} {r['beyond_inputs_MiB']:18.1f} {r['beyond_inputs_over_fp32_logits']:14.3f} "
+                  f"{r['extra_MiB']:10.1f} {r['extra_over_fp32_logits']:14.3f} {r['value']:12.6f} "
+                  f"{r['step_s']:7.3f}   (peak read from {r['peak_read']})")
 
 
 if __name__ == "__main__":

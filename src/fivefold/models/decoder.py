@@ -27,6 +27,7 @@ from fivefold.config import ModelConfig
 from fivefold.models.attention_layout import attention_window
 from fivefold.models.documents import document_attention
 from fivefold.models.init import Fill, constant, seeded_normal
+from fivefold.models.linear_cross_entropy import OutputLayer
 from fivefold.models.logit_max import head_logit_max
 from fivefold.models.masked_attention import masked_attention
 from fivefold.models.rms_norm import RMSNorm
@@ -215,7 +216,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens (batch, seq) -> logits (batch, seq, vocab).
+    """tokens (batch, seq) -> logits (batch, seq, vocab), or with targets the summed cross-entropy.
 
     `attention(cfg)`, when given, makes each block's attention module instead of `Attention`."""
 
@@ -232,7 +233,7 @@ class Transformer(nn.Module):
                                      else Attention(cfg, qk_norm, attention_window(cfg, i)))
             for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = OutputLayer(cfg.dim, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", self.rope_frequencies(), persistent=False)
@@ -247,14 +248,19 @@ class Transformer(nn.Module):
         return angles.cos(), angles.sin()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None, future: torch.Tensor | None = None) -> torch.Tensor:
-        """`tokens` are ids, or hidden states when an earlier part of the model ran elsewhere.
+                documents: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (batch, seq, vocab); given `targets`, the summed cross-entropy instead.
 
+        `tokens` are ids, or hidden states when an earlier part of the model ran elsewhere.
         `positions` (batch or 1, seq) defaults to 0..seq-1; a shard of a sequence passes its own.
         `documents` (batch, seq), each token's document id, keeps attention inside documents
         (models/documents.py); RoPE positions restarting per document come in `positions`.
-        `future` (batch, seq, 1 + mtp_depth): the tokens ahead of each position, for a family with
-        multi-token prediction (models/mtp.py); without it, or in evaluation, no MTP block runs.
+        `targets` (batch, seq): each position's next token, IGNORE where it has none; the model then
+        returns the sum of the cross-entropies over the positions with a target, an fp32 scalar,
+        without making the logits (models/linear_cross_entropy.py). (batch, seq, 1 + mtp_depth):
+        the tokens ahead of each position too, column 0 the next one, for a family with multi-token
+        prediction (models/mtp.py), whose loss then reaches backward with the returned one; in
+        evaluation no MTP block runs.
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -267,15 +273,18 @@ class Transformer(nn.Module):
                 h = layer(h, cos, sin, documents)
         if self.output is None:
             return h
-        logits = self.output(in_compute_dtype(self.norm(h)))
-        if future is not None and torch.is_grad_enabled():
-            logits = self.multi_token_prediction(logits, h, future, cos, sin, documents)
-        return logits
+        normed = in_compute_dtype(self.norm(h))
+        if targets is None:
+            return self.output(normed)
+        loss = self.output(normed, targets[..., 0] if targets.dim() == 3 else targets)
+        if targets.dim() == 3 and torch.is_grad_enabled():
+            loss = self.multi_token_prediction(loss, h, targets, cos, sin, documents)
+        return loss
 
-    def multi_token_prediction(self, logits, h, future, cos, sin, documents) -> torch.Tensor:
-        """The logits, carrying the multi-token-prediction loss into backward (models/mtp.py);
-        a family without it returns them as they are."""
-        return logits
+    def multi_token_prediction(self, loss, h, targets, cos, sin, documents) -> torch.Tensor:
+        """The LM loss, carrying the multi-token-prediction loss into backward (models/mtp.py);
+        a family without it returns it as it is."""
+        return loss
 
     def reset_computed_buffers(self) -> None:
         """Recompute the buffers derived from the config (RoPE frequencies), e.g. after the model was

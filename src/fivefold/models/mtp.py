@@ -30,11 +30,9 @@ evaluation, not a recomputation) is recorded for the metrics.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelConfig
-from fivefold.models.cross_entropy import chunked_cross_entropy
 from fivefold.models.decoder import TransformerBlock, in_compute_dtype
 from fivefold.models.moe import counts_for_stats
 from fivefold.models.rms_norm import RMSNorm
@@ -86,17 +84,11 @@ def mtp_layers(model: nn.Module) -> list[MTPLayer]:
     return [m for m in model.modules() if isinstance(m, MTPLayer)]
 
 
-def depth_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of the cross-entropies where a target exists, over all positions (see the module doc).
-    Plain logits go through the chunked cross-entropy (models/cross_entropy.py), which never holds
-    the depth's fp32 logits and writes their gradient in their place: the caller hands over the
-    output layer's fresh output, which nothing else reads. A tensor subclass (logits laid out
-    over several processes) goes through F.cross_entropy, which its own dispatch handles."""
-    if type(logits) is torch.Tensor:
-        total = chunked_cross_entropy(logits, targets, "sum", IGNORE, overwrite=True)
-    else:
-        total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-    return total / targets.numel()
+def depth_loss(output: nn.Module, normed: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross-entropies where a target exists, over all positions (see the module doc),
+    from the shared output layer called with the targets: its fused loss never makes the depth's
+    logits (models/linear_cross_entropy.py), in whatever layout the output layer has."""
+    return output(normed, targets) / targets.numel()
 
 
 class AttachScaledLoss(torch.autograd.Function):

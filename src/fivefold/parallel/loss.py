@@ -10,14 +10,18 @@ step, (micro-batches · ranks the mean is later taken over) / (trained positions
 batch): the same averaging then yields the global batch's mean over its trained tokens, in every
 layout, with the gradient arithmetic of plain text.
 
-Both are computed chunk by chunk over the tokens (models/cross_entropy.py): no fp32 copy, log-softmax
-or gradient of the whole micro-batch's logits is ever held, and the gradient is written into the
-logits' own storage (the training step's model output, read by nothing else). Under tensor
-parallelism the logits are a DTensor sharded on the vocabulary (parallel/tensor/layers.py
-VocabParallelOutput): each tp rank computes on its own columns and the per-token log-sum-exp and
-target logit are combined over the tp group (one max and one sum of a few floats per token), the
-vocabulary-parallel cross-entropy, without gathering the logits. Any other layout of logits falls
-back to F.cross_entropy (under `loss_parallel` where the caller set it).
+In training and evaluation the model makes no logits at all: given the labels, its output layer
+returns the summed cross-entropy over the positions with a target, computed chunk by chunk from
+the hidden states and its weight (models/linear_cross_entropy.py; under tensor parallelism from
+each rank's vocabulary columns, combined over the tp group with one max and one sum of a few floats
+per token: Megatron's vocabulary-parallel cross-entropy). `LMLoss` turns that sum into the mean,
+or scales it under a loss mask.
+
+Logits a caller does hold (a model called without labels) go through the chunked cross-entropy
+(models/cross_entropy.py): no fp32 copy, log-softmax or gradient of the whole micro-batch's logits,
+the gradient written into the logits' own storage where the caller allows it; DTensor logits
+sharded on the vocabulary are reduced the same way over the tp group. Any other layout of logits
+falls back to F.cross_entropy (under `loss_parallel` where the caller set it).
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from fivefold.models.cross_entropy import IGNORE, chunked_cross_entropy
-from fivefold.torch_internals import c10d_functional as _c10d
+from fivefold.parallel.vocab_shard import VocabShard
 
 __all__ = ["IGNORE", "LMLoss", "cross_entropy", "lm_loss", "trained_positions"]
 
@@ -48,30 +52,6 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "
     return chunked_cross_entropy(logits, labels, reduction, overwrite=overwrite)
 
 
-class VocabShard:
-    """This rank's columns of logits split evenly over the vocabulary on a 1-D mesh (the tp group),
-    and the reductions over that group the chunked cross-entropy needs."""
-
-    def __init__(self, first: int, group_name: str):
-        self.first, self.group_name = first, group_name
-
-    @staticmethod
-    def of(logits: DTensor) -> "VocabShard | None":
-        mesh, placements = logits.device_mesh, logits.placements
-        if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
-            return None
-        if placements[0].dim % logits.ndim != logits.ndim - 1 or logits.shape[-1] % mesh.size():
-            return None
-        local = logits.shape[-1] // mesh.size()
-        return VocabShard(mesh.get_local_rank() * local, mesh.get_group().group_name)
-
-    def max(self, t: torch.Tensor) -> torch.Tensor:
-        return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "max", self.group_name))
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "sum", self.group_name))
-
-
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
     """Mean next-token cross-entropy over every position (fp32 for a stable log-softmax). Labels
     (batch, seq, 1 + mtp_depth) carry multi-token prediction's targets too (models/mtp.py): the
@@ -82,14 +62,15 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, overwrite: bool = False)
 
 
 class LMLoss:
-    """`lm_loss`, or under a loss mask the scaled sum over trained positions. One object, given to
-    the pipeline schedule too (which calls it with logits and labels only), so both paths read the
-    same factor: Parallelized states it around each step's forwards with `scaled_by` (None = plain
-    text), and outside that block it is None.
+    """The micro-batch's loss from what the model returned: the summed cross-entropy of its fused
+    output layer (a scalar) or logits; the mean over the positions with a target, or under a loss
+    mask the sum times the step's factor. One object, given to the pipeline schedule too (which
+    calls it with the last stage's output and the labels only), so both paths read the same factor:
+    Parallelized states it around each step's forwards with `scaled_by` (None = plain text), and
+    outside that block it is None.
 
-    `overwrite`: the logits it is given are a step's model output that nothing reads after the loss,
-    so their storage takes their gradient (parallel/loss.py module doc); Parallelized and the
-    pipeline's last stage hand it exactly that."""
+    `overwrite`: logits it is given are a step's model output that nothing reads after the loss,
+    so their storage takes their gradient (module doc)."""
 
     def __init__(self, overwrite: bool = True):
         self.scale: float | None = None
@@ -103,12 +84,14 @@ class LMLoss:
         finally:
             self.scale = None
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.scale is None:
-            return lm_loss(logits, labels, self.overwrite)
-        if labels.dim() == 3:
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.dim() == 3:  # multi-token prediction's targets: the LM labels are the first column
             labels = labels[..., 0]
-        return cross_entropy(logits, labels, "sum", self.overwrite) * self.scale
+        if output.dim() == 0:  # the summed cross-entropy of the fused output layer
+            return output / (labels != IGNORE).sum() if self.scale is None else output * self.scale
+        if self.scale is None:
+            return lm_loss(output, labels, self.overwrite)
+        return cross_entropy(output, labels, "sum", self.overwrite) * self.scale
 
 
 def trained_positions(windows) -> int | None:

@@ -27,11 +27,6 @@ from fivefold.parallel.step_hooks import StepHook
 from fivefold.plan.compile_choice import CompileChoice
 
 
-def _future(labels: torch.Tensor) -> dict:
-    """The model's keyword for multi-token prediction's targets, when the labels carry them."""
-    return {"future": labels} if labels.dim() == 3 else {}
-
-
 class Parallelized:
     """This rank's part of a layout, as the trainer sees it: the same methods for every layout, so
     the trainer never asks which dimensions are active. parallelize() builds it."""
@@ -76,11 +71,10 @@ class Parallelized:
             return self.loss_fn(logits, labels)
 
     def forward_loss(self, inputs, labels, positions=None, documents=None) -> torch.Tensor:
-        """The model's forward and LM loss on one micro-batch (no pipeline). The loss context is
-        around the forward too: multi-token prediction computes its losses inside the model, on
-        logits that tensor parallelism leaves vocabulary-sharded."""
+        """The model's forward and LM loss on one micro-batch (no pipeline). Given the labels, the
+        model returns its summed cross-entropy without making the logits (parallel/loss.py)."""
         with self._loss_context():
-            return self.loss_fn(self.model(inputs, positions, documents, **_future(labels)), labels)
+            return self.loss_fn(self.model(inputs, positions, documents, labels), labels)
 
     def backward(self, loss: torch.Tensor) -> None:
         with self._loss_context():
@@ -149,7 +143,7 @@ class Parallelized:
             with torch.no_grad(), autocast(), self._loss_context(), self.loss_fn.scaled_by(scale):
                 return self.pipeline.evaluate(inputs, labels, positions, documents).item()
         with torch.no_grad(), autocast(), self.loss_fn.scaled_by(scale):
-            return self.loss_value(self.loss(self.model(inputs, positions, documents), labels)).item()
+            return self.loss_value(self.loss(self.model(inputs, positions, documents, labels), labels)).item()
 
     def _loss_scale(self, windows, n_micro: int) -> float | None:
         """Under a loss mask: the factor that makes each micro-batch's summed loss, once averaged

@@ -105,16 +105,15 @@ class DeepseekV3Transformer(Transformer):
             self.mtp_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
             self.mtp_embeddings.weight = self.tok_embeddings.weight
 
-    def multi_token_prediction(self, logits, h, future, cos, sin, documents) -> torch.Tensor:
-        depth = self.cfg.mtp_depth
-        for k in range(1, depth + 1):
+    def multi_token_prediction(self, loss, h, targets, cos, sin, documents) -> torch.Tensor:
+        for k in range(1, self.cfg.mtp_depth + 1):
             layer = self.layers[str(self.cfg.n_layers + k - 1)]
-            h, normed = layer(h, self.mtp_embeddings(future[..., k - 1].clamp(min=0)), cos, sin, documents)
-            loss = depth_loss(self.output(normed), future[..., k])
-            layer.record(loss)
-            weight = self.cfg.mtp_loss_weight / depth * current_micro_batch_weight()
-            logits = AttachScaledLoss.apply(logits, loss, weight)
-        return logits
+            h, normed = layer(h, self.mtp_embeddings(targets[..., k - 1].clamp(min=0)), cos, sin, documents)
+            depth = depth_loss(self.output, normed, targets[..., k])
+            layer.record(depth)
+            loss = AttachScaledLoss.apply(loss, depth, self.cfg.mtp_loss_weight / self.cfg.mtp_depth
+                                          * current_micro_batch_weight())
+        return loss
 
     def rope_frequencies(self) -> torch.Tensor:
         return rope_frequencies(self.cfg)

@@ -1,7 +1,7 @@
 """torch's PipelineStage, telling fivefold when each micro-batch passes through it.
 
-The pipeline acts at five moments of a micro-batch on a stage: before its forward (select its
-positions and document ids), after it (the last stage lets the kept logits go), when the sends of
+The pipeline acts at four moments of a micro-batch on a stage: before its forward (select its
+positions, document ids and targets), when the sends of
 its output are built (the output's data can go), when a V schedule hands it another stage's
 output on this rank (kept in two places), and when its backward on this stage is over (a full
 backward, or the weight pass of a split one; its input pass keeps the graph). A subclass overrides
@@ -23,7 +23,6 @@ class ObservedStage(PipelineStage):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.before_forward: list = []  # f(micro-batch)
-        self.after_forward: list = []  # f(micro-batch)
         self.sends_built: list = []  # f(micro-batch, send ops)
         self.local_input: list = []  # f(micro-batch, the other stage's outputs)
         self.backward_done: list = []  # f(micro-batch)
@@ -41,10 +40,7 @@ class ObservedStage(PipelineStage):
         for listener in self.before_forward:
             listener(fwd_chunk_id)
         with self._clocked():
-            output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        for listener in self.after_forward:
-            listener(fwd_chunk_id)
-        return output
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         with self._clocked():

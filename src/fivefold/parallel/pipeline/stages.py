@@ -3,8 +3,9 @@
 The model is cut into pp × pp_virtual stages (plan/stage_split.py); this rank builds the
 stages it runs, each a copy of the full model with the other layers removed, so parameter names
 (and checkpoint keys) stay those of the single-device model. The first stage owns the embedding,
-the last the final norm, output layer and loss (the family's ModelSpec.first_stage / last_stage). A step's micro-batches are the schedule's
-micro-batches, each micro-batch loss divided by their number: exactly the gradient accumulation
+the last the final norm, output layer and loss (the family's ModelSpec.first_stage / last_stage);
+given the micro-batch's targets, the output layer returns the summed cross-entropy, so no logits
+are made. A step's micro-batches are the schedule's micro-batches, each micro-batch loss divided by their number: exactly the gradient accumulation
 of the non-pipelined run.
 
 Tied embeddings: the first and the last stage each hold a copy of the matrix; the copies'
@@ -44,27 +45,28 @@ SCHEDULES = {
 
 
 class StagePositions:
-    """The RoPE positions (and, under document masking, document ids; with multi-token prediction,
-    the tokens ahead of each position) every stage of this rank uses for the current step: a stage
-    receives only hidden states, which under sequence parallelism hold a slice of the sequence.
+    """The RoPE positions (and, under document masking, document ids; on the last stage the targets,
+    with multi-token prediction the tokens ahead of each position) every stage of this rank uses for
+    the current step: a stage receives only hidden states, which under sequence parallelism hold a
+    slice of the sequence.
     Positions shared by every sequence are one (1, seq) tensor; per-sequence ones are cut into the
     schedule's micro-batches, and each stage reads those of the micro-batch it is running
     (`select`, called as each forward starts)."""
 
     value: torch.Tensor | None = None  # the positions of the micro-batch being run
     documents: torch.Tensor | None = None  # its document ids, or None
-    future: torch.Tensor | None = None  # its tokens ahead (models/mtp.py), or None
+    targets: torch.Tensor | None = None  # its labels (models/decoder.py Transformer.forward)
 
     def set(self, positions: torch.Tensor, documents: torch.Tensor | None, n_micro: int,
-            future: torch.Tensor | None = None) -> None:
+            targets: torch.Tensor) -> None:
         self._positions = positions.chunk(n_micro) if positions.shape[0] > 1 else [positions] * n_micro
         self._documents = documents.chunk(n_micro) if documents is not None else [None] * n_micro
-        self._future = future.chunk(n_micro) if future is not None else [None] * n_micro
+        self._targets = targets.chunk(n_micro)
         self.select(0)
 
     def select(self, micro: int) -> None:
         self.value, self.documents = self._positions[micro], self._documents[micro]
-        self.future = self._future[micro]
+        self.targets = self._targets[micro]
 
 
 def build_stage_module(full: nn.Module, spec: ModelSpec, layer_ids: list[int], first: bool, last: bool,
@@ -78,7 +80,7 @@ def build_stage_module(full: nn.Module, spec: ModelSpec, layer_ids: list[int], f
         parent, _, name = path.rpartition(".")
         setattr(part.get_submodule(parent), name, None)
     forward = part.forward
-    part.forward = lambda x: forward(x, positions.value, positions.documents, positions.future)
+    part.forward = lambda x: forward(x, positions.value, positions.documents, positions.targets)
     return part
 
 
@@ -130,19 +132,6 @@ def _release_local_inputs(stage) -> None:
                     _release_data(recv_info_buffer(info))
     stage.local_input.append(taken)
     stage.backward_done.append(release)
-
-
-def _drop_kept_logits(stage) -> None:
-    """The last stage's backward starts from the loss, not from the stage's output; the schedule
-    keeps that output (the logits, vocabulary-wide) until the backward only to return it to a
-    caller, which return_outputs=False declines. Dropping the schedule's reference leaves the
-    logits to the loss's graph alone, as in the run without a pipeline: the chunked loss
-    (parallel/loss.py) keeps them and writes their gradient into them, which no other reader may see."""
-    def drop(chunk: int) -> None:
-        cache = stage_fwd_cache(stage)
-        _, inputs = cache[chunk]
-        cache[chunk] = ((), inputs)
-    stage.after_forward.append(drop)
 
 
 def _release_data(tensor) -> None:
@@ -211,9 +200,7 @@ class Pipeline:
             self._select_inputs(stage)
             if not stage.is_first:
                 _release_local_inputs(stage)
-            if stage.is_last:
-                _drop_kept_logits(stage)
-            else:
+            if not stage.is_last:
                 _release_sent_outputs(stage, free_after_backward=self.schedule_name != "1f1b")
             if self.on_weight_grads is not None:
                 self._report_weight_grads(stage, index)
@@ -242,19 +229,19 @@ class Pipeline:
             documents: torch.Tensor | None = None) -> torch.Tensor:
         """One step of the schedule; returns the step loss (sum of the scaled micro-batch losses) on
         every pp rank. `labels` (batch, seq, 1 + mtp_depth) under multi-token prediction."""
-        self.positions.set(positions, documents, self.n_micro, labels if labels.dim() == 3 else None)
+        self.positions.set(positions, documents, self.n_micro, labels)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        # return_outputs=False: the last stage keeps no micro-batch's logits for the caller (the
-        # loss is all we read), so each one goes as soon as its backward has run.
+        # return_outputs=False: the last stage's outputs (each micro-batch's summed loss) are not
+        # gathered for the caller; the losses list is all we read.
         self.schedule.step(*args, return_outputs=False, **kwargs)
         return self._reduce_loss(losses, inputs.device)
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
                  documents: torch.Tensor | None = None) -> torch.Tensor:
         """Forward only through the pipeline; the loss (sum of the scaled micro-batch losses) on every pp rank."""
-        self.positions.set(positions, documents, self.n_micro)
+        self.positions.set(positions, documents, self.n_micro, labels)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}

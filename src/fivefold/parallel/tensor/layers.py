@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from fivefold.models.linear_cross_entropy import linear_cross_entropy
 from fivefold.models.rms_norm import rms_norm
+from fivefold.parallel.vocab_shard import VocabShard
 from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 from fivefold.parallel.tensor.sharded_inputs import mark, saving_shards
 from fivefold.parallel.stream_projection import project
@@ -242,15 +244,24 @@ class VocabParallelEmbedding(nn.Module):
 
 class VocabParallelOutput(ColumnParallelLinear):
     """Logits of this rank's vocabulary columns for the whole sequence, as a DTensor sharded on the
-    vocabulary: the loss (`loss_parallel`) never gathers them."""
+    vocabulary: the loss (`loss_parallel`) never gathers them. With `targets` (models/
+    linear_cross_entropy.py OutputLayer), the summed cross-entropy instead, from this rank's
+    columns without their logits (Megatron's vocabulary-parallel loss, fused with the layer): one
+    max and one sum of a few floats per token over the tp ranks, and the input's gradient summed
+    over them as any column-split layer's."""
 
     def __init__(self, linear: nn.Linear, group: TensorParallelGroup):
         _no_bias(linear)
         super().__init__(linear, group)
         self.group = group
+        self.vocab_shard = VocabShard(group.mesh.get_local_rank() * (linear.out_features // group.size), group.name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(self.group.gather_sequence(x))
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        whole = self.group.gather_sequence(x)
+        if targets is not None:
+            with saving_shards(whole):
+                return linear_cross_entropy(whole, _local(self.weight), targets, shard=self.vocab_shard)
+        logits = super().forward(whole)
         return DTensor.from_local(logits, self.group.mesh, [Shard(-1)], run_check=False)
 
 
