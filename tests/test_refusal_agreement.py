@@ -68,3 +68,32 @@ def test_search_and_validation_refuse_the_same_muon_layouts(name, overrides):
     disagreements, checked = _disagreements(name, overrides)
     assert checked > 0
     assert not disagreements, f"{len(disagreements)} of {checked}, e.g. {disagreements[:3]}"
+
+
+# The model stage of the gate: rules of the family and of the export, which `plan` once skipped
+# (it priced a Llama with multi-token prediction, or a gpt-oss without experts, that `train`
+# then refused). Each command runs as its own process, as a user types it.
+MODEL_REFUSALS = [
+    (["--model.preset", "tiny", "--model.mtp_depth", "1"],
+     "model.mtp_depth=1 needs a family with multi-token prediction (deepseek_v3)"),
+    (["--model.preset", "tiny-gpt-oss", "--model.moe.n_experts", "0"],
+     "model.family=gpt_oss needs model.moe.n_experts > 0"),
+    (["--model.preset", "tiny-deepseek-v3", "--model.moe.n_experts", "0"],
+     "model.family=deepseek_v3 needs model.moe.n_experts > 0"),
+]
+
+
+@pytest.mark.parametrize("keys,sentence", MODEL_REFUSALS, ids=["mtp-on-llama", "gpt-oss-dense", "deepseek-dense"])
+def test_plan_refuses_what_train_refuses_with_the_same_sentence(keys, sentence):
+    import subprocess
+    import sys
+
+    said = {}
+    for command in (["plan", "--cluster.gpus", "8"], ["train", "--dry-run"]):
+        out = subprocess.run([sys.executable, "-m", "fivefold", *command, *keys], capture_output=True, text=True,
+                             timeout=300)
+        lines = [line for line in (out.stdout + out.stderr).splitlines() if sentence in line]
+        assert out.returncode != 0 and len(lines) == 1, (command, out.returncode, out.stdout[-800:], out.stderr[-800:])
+        said[command[0]] = lines[0].split(": ", 1)[1]  # the sentence after the command's prefix
+        assert "Traceback" not in out.stderr
+    assert said["plan"] == said["train"]

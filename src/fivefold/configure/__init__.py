@@ -1,11 +1,13 @@
 """A config as the trainer and the planner take it: loaded with the families' readers of a Hugging
 Face config.json (model.init_from), and checked by every rule before any process group exists.
 
-config/ is the bottom layer and knows no model code: its rules read keys only (no torch). The few
-rules that depend on a model's parameters (their names, kinds and shapes) are here, in
-model_rules.py; they build the model on the meta device, and only for a config that asks for what
-they decide. The trainer's start-up, `fivefold plan` and the layout search all call `validate` here,
-so one set of rules decides what is refused.
+config/ is the bottom layer and knows no model code: its rules read keys only (no torch). The rules
+that need the model code (the family's own checks, a Hugging Face export's, and those depending on
+a model's parameters: their names, kinds and shapes) are here, in model_rules.py; a meta-device
+model is built only for a config that asks for what it decides. The trainer's start-up, every CLI
+command, `fivefold plan` and the layout search all call `validate` here, so one set of rules decides
+what is refused; only what the machine itself decides (backend, FP8 kernels: train/supported.py)
+is left to the commands that run on it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from fivefold.config import Config, ModelConfig
 from fivefold.config import load as config_load
 from fivefold.config.validate import validate as validate_keys
-from fivefold.configure.model_rules import check_lora_targets, check_param_groups
+from fivefold.configure.model_rules import check_family, check_lora_targets, check_param_groups
 
 
 def read_model_folder(folder: Path) -> ModelConfig:
@@ -38,6 +40,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Raise ConfigError on the first problem; return the config when it is sound (parallel.dp = 0
     resolved from the world size: config/validate.py)."""
     validate_keys(cfg, world_size)
+    check_family(cfg)
     check_param_groups(cfg)
     check_lora_targets(cfg)
     return cfg

@@ -1,13 +1,45 @@
-"""The rules that need the model: whether train.param_groups gives Muon a tensor that is not a matrix,
-and whether lora.targets = re:PATTERN selects any linear layer. Both depend on the parameters'
-names, kinds and shapes, which only the families' classes say; the model is built on the meta
-device (no memory), and only when a config asks for Muon or for a pattern."""
+"""The rules that need the model code: the family's own (its ModelSpec: what the family has, and
+multi-token prediction only where it exists), what a Hugging Face export can express, whether
+train.param_groups gives Muon a tensor that is not a matrix, and whether lora.targets = re:PATTERN
+selects any linear layer. The last two depend on the parameters' names, kinds and shapes, which only
+the families' classes say; the model is built on the meta device (no memory), and only when a
+config asks for Muon or for a pattern."""
 
 from __future__ import annotations
 
-from fivefold.config import Config
+from fivefold.config import Config, ConfigError
 from fivefold.config.lora import parse_targets
 from fivefold.config.validate_optimizer import runs_muon
+
+
+def check_family(cfg: Config) -> None:
+    """One sentence if the family cannot be what the keys ask (models/*/spec.py check), has no
+    multi-token prediction for model.mtp_depth, or if checkpoint.export_hf asks for a folder
+    transformers (or PEFT, for an adapter) could not load. Keys of the model only, not the layout:
+    checked once per model for the search's many layouts."""
+    m = cfg.model
+    key = (repr(m), cfg.checkpoint.export_hf, repr(cfg.lora))
+    if key in _FAMILY_CHECKED:
+        return
+    from fivefold.models.registry import model_spec
+
+    spec = model_spec(m)
+    if m.mtp_depth and not spec.multi_token_prediction:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} needs a family with multi-token prediction "
+                          f"(deepseek_v3); model.family={m.family} has none, so set model.mtp_depth = 0")
+    spec.check(m)
+    if cfg.checkpoint.export_hf:
+        from fivefold.models.hf import hf_config_from
+
+        hf_config_from(m)  # what transformers cannot express is refused now, not after the run
+        if cfg.lora.rank:  # a PEFT adapter folder: an adapter PEFT cannot load, likewise
+            from fivefold.models.hf_peft import check_peft_export
+
+            check_peft_export(m, cfg.lora)
+    _FAMILY_CHECKED.add(key)
+
+
+_FAMILY_CHECKED: set[tuple] = set()  # (model, export, lora) that passed check_family
 
 
 def check_param_groups(cfg: Config) -> None:

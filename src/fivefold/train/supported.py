@@ -1,6 +1,7 @@
-"""Training-only refusals: what the config language has but the trainer does not do yet, or this
-machine cannot run (parallel.backend). `validate()` (fivefold.config) checks a config anywhere;
-these need the family's ModelSpec and torch (or a CUDA device: log.memory_snapshot), so they sit above the models, before any process group.
+"""The machine's refusals: what this machine cannot run (parallel.backend, FP8 kernels and sizes on
+its GPU, log.memory_snapshot without CUDA). Everything a config says about the model and the layout
+is decided by fivefold.configure.validate, which the planner calls too; these are the only rules a
+plan does not apply, since the plan is for another machine. Checked before any process group.
 """
 
 from __future__ import annotations
@@ -13,22 +14,8 @@ from fivefold.models.registry import model_spec
 
 
 def check_supported(cfg: Config) -> None:
-    """The planner evaluates these layouts; the trainer refuses them instead of ignoring them."""
-    p, m = cfg.parallel, cfg.model
-    spec = model_spec(m)
-    if m.mtp_depth and not spec.multi_token_prediction:
-        raise ConfigError(f"model.mtp_depth={m.mtp_depth} needs a family with multi-token prediction "
-                          f"(deepseek_v3); model.family={m.family} has none, so set model.mtp_depth = 0")
-    spec.check(m)
-    if cfg.checkpoint.export_hf:
-        from fivefold.models.hf import hf_config_from
-
-        hf_config_from(m)  # what transformers cannot express is refused now, not after the run
-        if cfg.lora.rank:  # a PEFT adapter folder: an adapter PEFT cannot load, likewise
-            from fivefold.models.hf_peft import check_peft_export
-
-            check_peft_export(m, cfg.lora)
-    check_backend(p.backend, torch.cuda.is_available())
+    """What this machine cannot run of a config fivefold.configure.validate accepted."""
+    check_backend(cfg.parallel.backend, torch.cuda.is_available())
     if cfg.train.fp8:
         check_float8(cfg)
     if cfg.log.memory_snapshot and not torch.cuda.is_available():
