@@ -65,6 +65,8 @@ uses this count in every recipe (it was calibrated with it).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from fivefold.plan.branch_split import split_branches
 from fivefold.plan.expert_load import rank_imbalance
 from fivefold.plan.hardware import Hardware, Runtime
@@ -275,7 +277,21 @@ def mtp_block_bytes(workload: Workload, layout: Layout, head_norm: float) -> flo
 def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, rank: int,
                      micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
     """(saved activations at the peak, transient working memory) of one pipeline rank: each chunk
-    (pipeline stage) of the rank holds its in-flight micro-batches (plan/schedule.py)."""
+    (pipeline stage) of the rank holds its in-flight micro-batches (plan/schedule.py).
+
+    Computed once per the layout fields it reads: not dp (the micro-batches are given), ZeRO or
+    HSDP, so a search's ZeRO stages of one layout share it (~55,000 ranks at 8,192 GPUs)."""
+    fields = (layout.tp, layout.pp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp_schedule,
+              layout.pp_virtual, layout.sp, layout.cp_method)
+    return _activation_bytes(workload, fields, prank, rank, micro_batches, hw, runtime)
+
+
+@lru_cache(maxsize=32768)
+def _activation_bytes(workload: Workload, fields: tuple, prank: PipelineRank, rank: int,
+                      micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
+    tp, pp, cp, ep, mbs, recompute, schedule, virtual, sp, cp_method = fields
+    layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, recompute=recompute, pp_schedule=schedule,
+                    pp_virtual=virtual, sp=sp, cp_method=cp_method)
     tokens = layout.mbs * workload.seq_len / layout.cp  # tokens of one micro-batch on this rank
     fivefold = runtime.activation_recipe == "fivefold"
     counts = in_flight_per_chunk(layout, rank, micro_batches)

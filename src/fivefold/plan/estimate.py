@@ -299,7 +299,12 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
 
     ranks = pipeline_ranks(stats, layout, workload.seq_len)
     t_mb, worst, per_mb_bytes = 0.0, None, {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
-    for prank in ranks:
+    # A micro-batch's time depends on a rank's ends and how many layers of each kind it holds, not
+    # on which: ranks alike are timed once (a 32-stage pipeline has a handful of compositions).
+    composition = {(p.has_embedding, p.has_output,
+                    tuple((stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers, n) for i, n in p.kinds)): p
+                   for p in reversed(ranks)}
+    for prank in composition.values():
         seconds, nbytes = _rank_microbatch(workload, layout, hw, runtime, prank, links, m, imbalance)
         rank_time = sum(seconds.values())
         if worst is None or rank_time > t_mb:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fivefold.plan.activations import activation_bytes
-from fivefold.plan.framework_memory import as_recomputed_by, as_run_by, fixed_bytes, process_bytes
+from fivefold.plan.framework_memory import as_recomputed_by, as_run_by, process_bytes
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import adapter_param_counts, layer_adapter_params
@@ -178,7 +178,17 @@ def model_state_bytes(workload: Workload, layout: Layout, dense: float, experts:
 def rank_state_bytes(workload: Workload, layout: Layout, prank: PipelineRank) -> dict:
     """params / grads / optimizer bytes of one rank of this pipeline rank: under Muon its matrices'
     one moment; under LoRA the frozen base's weights as the recipe stores them and nothing else,
-    the adapters, the weights it trains, with gradients, AdamW's state and masters (plan/lora.py)."""
+    the adapters, the weights it trains, with gradients, AdamW's state and masters (plan/lora.py).
+    Computed once per the degrees it reads (not recomputation or the schedule: a search asks for
+    each at every recomputation); the dict is shared, read it only."""
+    return _rank_state_bytes(workload, (layout.dp, layout.zero, layout.tp, layout.cp, layout.ep,
+                                        layout.dp_shard), prank)
+
+
+@lru_cache(maxsize=16384)
+def _rank_state_bytes(workload: Workload, degrees: tuple, prank: PipelineRank) -> dict:
+    dp, zero, tp, cp, ep, dp_shard = degrees
+    layout = Layout(dp=dp, zero=zero, tp=tp, cp=cp, ep=ep, dp_shard=dp_shard)
     stats, lora = workload.stats, workload.lora
     dense, experts = rank_param_counts(stats, layout, prank)
     if not lora.rank:
@@ -202,7 +212,8 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
     lora = workload.lora
     trained = adapter_param_counts(stats, layout, prank, lora) if lora.rank else (dense, experts)
     saved, working = activation_bytes(workload, layout, prank, rank, m, hw, runtime)
-    other = fixed_bytes(layout, hw, runtime) + working
+    outside = process_bytes(layout, hw)
+    other = outside + runtime.fixed_bytes + working  # framework_memory.fixed_bytes
     if layout.zero >= 3 and prank.layers:
         # FSDP all-gathers one layer while the previous one computes (prefetch): two unsharded
         # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.
@@ -218,7 +229,7 @@ def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runti
             other += (dense + experts) * pr.param_bytes
     return MemoryBreakdown(params=state["params"], grads=state["grads"],
                            optimizer=state["optimizer"], activations=saved, other=other,
-                           pipeline_rank=rank, outside_allocator=process_bytes(layout, hw),
+                           pipeline_rank=rank, outside_allocator=outside,
                            detail={"params_per_rank": dense + experts, "layers": len(prank.layers)})
 
 

@@ -72,6 +72,7 @@ def parse_pp_layers(text: str, n_chunks: int, n_layers: int) -> tuple[int, ...]:
 END_RELIEFS = ((1, 0), (1, 1), (2, 1), (2, 2), (3, 2), (3, 3))
 
 
+@lru_cache(maxsize=1024)
 def balanced_sizes(stats: ModelStats, n_chunks: int, seq_len: int) -> tuple[int, ...]:
     """The trainer's own split when parallel.pp_layers is empty: layers balanced by FLOPs, the
     output layer counted with the last chunk (plan/stage_split.py)."""
