@@ -19,8 +19,8 @@ from fivefold.config.pipeline_rules import micro_batch_problem, pipeline_problem
 from fivefold.plan.estimate import Estimate, estimate
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout, config_with_layout
-from fivefold.plan.memory import worst_rank_memory
-from fivefold.plan.schedule import END_RELIEFS, end_relieved_splits
+from fivefold.plan.memory import rank_memory, worst_rank_memory
+from fivefold.plan.schedule import END_RELIEFS, end_relieved_splits, pipeline_ranks
 from fivefold.plan.workload import Workload
 from fivefold.config.validate import ignored_options
 from fivefold.configure import validate
@@ -231,8 +231,14 @@ def end_relieved(workload: Workload, layout: Layout, hw: Hardware, runtime: Runt
     most = max(first for first, _ in END_RELIEFS) / max(1, balanced.detail.get("layers", 1))
     if balanced.total - most * (balanced.total - balanced.other) > hw.memory_bytes:
         return None
+    end = balanced.pipeline_rank
     for text, first, last in end_relieved_splits(workload.stats, layout, workload.seq_len):
         relieved = dataclasses.replace(layout, pp_layers=text)
+        # The end that did not fit, alone first: where it still does not, no rank's worst can fit
+        # (most splits tried fail here, at a quarter of the ranks' work).
+        prank = pipeline_ranks(workload.stats, relieved, workload.seq_len)[end]
+        if rank_memory(workload, relieved, hw, runtime, prank, end).total > hw.memory_bytes:
+            continue
         mem = worst_rank_memory(workload, relieved, hw, runtime)
         if mem.total <= hw.memory_bytes:
             ends = " and ".join(f"the {end} stage {n} layer{'s' if n > 1 else ''} fewer"
