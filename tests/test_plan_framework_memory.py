@@ -123,3 +123,15 @@ def test_megatron_s_routed_copies_keep_input_fc1_and_weighted_activation():
     h, k = work.stats.dim, work.stats.top_k
     # fivefold keeps 3h + 3f per copy (dispatched, combined, weighted; SwiGLU), Megatron h + 3f
     assert per_token["fivefold-eager"] - per_token["megatron"] == pytest.approx(k * 2 * h * 2)
+
+
+def test_only_fivefold_s_output_layer_keeps_no_logits():
+    work, hw, layout = _work(), hardware_for("h100"), Layout(dp=8, zero=1, mbs=1)
+    prank = pipeline_ranks(work.stats, layout, work.seq_len)[0]
+    fused = rank_memory(work, layout, hw, FIVEFOLD_EAGER, prank, 0)
+    kept = rank_memory(work, layout, hw, dataclasses.replace(FIVEFOLD_EAGER, fuses_output_loss=False), prank, 0)
+    # models/linear_cross_entropy.py: no bf16 logits (2 bytes x vocab per token) are kept; its
+    # backward sums the output weight's gradient in fp32 instead (working memory)
+    assert kept.activations - fused.activations == pytest.approx(work.seq_len * 2 * work.stats.vocab_size, rel=1e-3)
+    assert fused.other - kept.other == pytest.approx(4 * work.stats.vocab_size * work.stats.dim)
+    assert not (MEGATRON_RUNTIME.fuses_output_loss or MEGATRON_2022_RUNTIME.fuses_output_loss)

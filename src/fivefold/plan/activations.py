@@ -253,6 +253,12 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
         # label per token, and writes their gradient into the logits' own storage (one chunk's fp32
         # temporaries at a time: no per-token working memory).
         sharded = s > 1 and layout.recompute == "none" and not keeps_gathered(workload, runtime)
+        if runtime.fuses_output_loss:
+            # The output layer fused with its loss (models/linear_cross_entropy.py) keeps its input
+            # (it makes the logits again in backward, frozen or not), an fp32 log-sum-exp and the
+            # int64 target per token, and no logits.
+            read = stats.dim / (s if sharded else 1) * pr.act_bytes
+            return norm_kept(stats.dim / s, pr.param_bytes, not workload.lora.rank) + 4 / s + read, 4 + 8, 0.0
         # A frozen output layer (LoRA: never adapted) keeps no input, which only its weight's gradient reads.
         read = 0.0 if workload.lora.rank else stats.dim / (s if sharded else 1) * pr.act_bytes
         norm = norm_kept(stats.dim / s, pr.param_bytes, not workload.lora.rank) + 4 / s + read
@@ -328,9 +334,12 @@ def _activation_bytes(workload: Workload, fields: tuple, prank: PipelineRank, ra
         # (run right after the last stage's forward) frees the graph above the output layer's
         # weight, the log-softmax with it: only the newest micro-batch's is held.
         saved += (norm * last + logits * (min(last, 1) if layout.split_backward else last)) * tokens
-        if fivefold and layout.pp > 1:
+        if fivefold and layout.pp > 1 and not runtime.fuses_output_loss:
             # The schedule holds the newest micro-batch's logits (A x vocab/t) until its next forward.
             saved += workload.precision.act_bytes * workload.stats.vocab_size / layout.tp * tokens
+        if fivefold and runtime.fuses_output_loss and not workload.lora.rank:
+            # Its backward sums the weight's gradient over the chunks in fp32 (vocab/t x dim).
+            working += 4 * workload.stats.vocab_size / layout.tp * workload.stats.dim
         working += logits_grad * tokens
     return saved, working
 

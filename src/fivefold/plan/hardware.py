@@ -236,6 +236,9 @@ class Runtime:
     # SwiGLU): a routed copy keeps its input, fc1's output and the weighted activation (h + 3f),
     # not fivefold's dispatched, combined and weighted copies (3h + 3f; plan/activations.py).
     moe_probs_in_activation: bool = False
+    # fivefold's output layer computes its loss chunk by chunk and keeps no logits (models/linear_
+    # cross_entropy.py); the other stacks make and keep the micro-batch's logits.
+    fuses_output_loss: bool = False
     # The fused attention kernel's rate over a large GEMM's, on the FLOPs it runs (a causal mask
     # skips half the square; the FLOP count stays the full square, PaLM's 12 L h s). 0.5: a
     # FlashAttention-2-class kernel (PyTorch SDPA's flash backend) on Hopper, ~350 TFLOP/s forward
@@ -276,7 +279,7 @@ class Runtime:
 
 # fivefold eager: calibrated on torchtitan's bf16/FP8 runs (8-512 H100s), the PyTorch-native
 # stack fivefold is built from (benchmarks/calibrate_time.py --profile eager).
-FIVEFOLD_EAGER = Runtime()
+FIVEFOLD_EAGER = Runtime(fuses_output_loss=True)
 # fivefold with train.compile: Inductor fuses the elementwise chains (fewer passes over memory,
 # fewer and longer kernels).
 FIVEFOLD_COMPILED = dataclasses.replace(FIVEFOLD_EAGER, elementwise_passes=4.76, kernels_per_layer=40,
@@ -297,7 +300,7 @@ NANOTRON_RUNTIME = dataclasses.replace(
 # published runs are: fivefold's compiled profile with torchtitan's FSDP-under-PP policy (blocks
 # kept gathered over a step's micro-batches). benchmarks/planner_accuracy.py predicts its runs.
 TORCHTITAN_RUNTIME = dataclasses.replace(
-    FIVEFOLD_COMPILED, fsdp_gather_once_in_pipeline=True, name="torchtitan",
+    FIVEFOLD_COMPILED, fsdp_gather_once_in_pipeline=True, fuses_output_loss=False, name="torchtitan",
     overlaps="FSDP2 gathers and reduce-scatters under compute (blocks kept gathered under PP); "
     "tp and pp exposed")
 # Megatron-LM as published by NVIDIA in 2021-22 (Narayanan et al. 2021; Korthikanti et al. 2022)
@@ -308,7 +311,7 @@ TORCHTITAN_RUNTIME = dataclasses.replace(
 MEGATRON_2022_RUNTIME = dataclasses.replace(
     FIVEFOLD_COMPILED, regathers_inputs=True, regather_overlapped=True, pp_scatter_gather=True,
     dp_overlap_fraction=0.0, ep_overlap="none", attention_kernel="unfused", grad_accum="fused",
-    selective_recompute="attention_core",
+    selective_recompute="attention_core", fuses_output_loss=False,
     tokens_per_sec_error=(0.034, 0.066),  # the 9 Megatron-LM rows of published_runs_dev.csv (Korthikanti et al.)
     name="megatron-2022", overlaps="nothing: tp, pp and the dp all-reduce exposed (A100-era "
     "Megatron-LM and Megatron-DeepSpeed)")
@@ -344,7 +347,7 @@ MEGATRON_RUNTIME = dataclasses.replace(
 # FSDP, eager, as fivefold's eager profile runs it, except that its bfSixteen mixed-precision
 # policy reduces gradients in bf16 (fms_fsdp/policies/mixed_precision.py: reduce_dtype=bfloat16).
 FMS_FSDP_RUNTIME = dataclasses.replace(
-    FIVEFOLD_EAGER, reduce_bytes=2.0, name="fms-fsdp",
+    FIVEFOLD_EAGER, reduce_bytes=2.0, fuses_output_loss=False, name="fms-fsdp",
     overlaps="FSDP gathers and bf16 gradient reduce-scatters (HSDP: and all-reduces) under compute; "
     "nothing else to overlap (no tp or pp)")
 FRAMEWORKS: dict[str, Runtime] = {
