@@ -45,7 +45,10 @@ attention output, and the SwiGLU product f/t x A) instead of their whole outputs
 keeps the block input. Per micro-batch the forward also keeps the RoPE tables (fp32 cos and sin,
 seq/cp x head_dim each) and each sent stage output until its backward (unless
 Runtime.frees_sent_outputs: Megatron's deallocate_output_tensor); the last stage keeps the final
-norm, the fp32 log-softmax of the logits and the int64 labels. The weights' compute-dtype copies are model state ('other'), not activations.
+norm, the output layer's input, an fp32 log-sum-exp and the int64 target per token (fivefold's
+output layer fused with its loss: no logits; the stacks that make the logits keep them,
+Runtime.fuses_output_loss). The weights' compute-dtype copies are model state ('other'), not
+activations.
 
 'nanotron' — Korthikanti et al. 2022 (arXiv 2205.05198) as the Playbook's nanotron runs keep it,
 for benchmarks/planner_accuracy.py. Per token of one micro-batch, a layer saves:
@@ -248,10 +251,10 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
     vocab = stats.vocab_size / layout.tp
     if runtime.activation_recipe == "fivefold":
         # norm input and rstd, the output layer's input (gathered under sp: its shard
-        # where parallel/tensor/sharded_inputs.py applies); the chunked loss (models/cross_entropy.py)
-        # keeps the vocab-parallel logits in their compute dtype, an fp32 log-sum-exp and the int64
-        # label per token, and writes their gradient into the logits' own storage (one chunk's fp32
-        # temporaries at a time: no per-token working memory).
+        # where parallel/tensor/sharded_inputs.py applies); a stack that makes the logits and runs
+        # the chunked loss on them (models/cross_entropy.py) keeps the vocab-parallel logits in their
+        # compute dtype, an fp32 log-sum-exp and the int64 label per token, and writes their gradient
+        # into the logits' own storage (one chunk's fp32 temporaries at a time).
         sharded = s > 1 and layout.recompute == "none" and not keeps_gathered(workload, runtime)
         if runtime.fuses_output_loss:
             # The output layer fused with its loss (models/linear_cross_entropy.py) keeps its input
