@@ -161,10 +161,11 @@ def titan_layout(row: dict) -> Layout:
 def titan_runtime(row: dict, eager=None, compiled=None):
     from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER
     runtime = (compiled or FIVEFOLD_COMPILED) if row["compile"] == "true" else (eager or FIVEFOLD_EAGER)
-    # torchtitan's own behaviour where it differs from fivefold's: FP8 linears, and FSDP blocks
-    # kept gathered over a pipeline's micro-batches.
-    # (the speed-up applies to the FP8 rows only: titan_workload marks them)
-    return dataclasses.replace(runtime, float8_linear_speedup=FLOAT8_LINEAR_SPEEDUP, fsdp_gather_once_in_pipeline=True)
+    # torchtitan's own behaviour where it differs from fivefold's: FP8 linears, FSDP blocks kept
+    # gathered over a pipeline's micro-batches, and logits made whole for the loss (no fused
+    # output layer). (The speed-up applies to the FP8 rows only: titan_workload marks them.)
+    return dataclasses.replace(runtime, float8_linear_speedup=FLOAT8_LINEAR_SPEEDUP, fsdp_gather_once_in_pipeline=True,
+                               fuses_output_loss=False)
 
 
 # FP8 matmuls of nn.Linear after the scaling casts: the FP8 peak is 2x; torchtitan's 8B rows gain
