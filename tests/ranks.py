@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import io
 import os
 import queue as queue_module
@@ -47,6 +48,9 @@ def _rank_main(rank, world_size, port, timeout_s, fn, args, kwargs, results, std
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        # What is alive now (torch, the test module) lives as long as the rank: the collector need
+        # not walk it again at every full collection (tests/layouts.py freezes each layout's survivors).
+        gc.freeze()
         value = fn(*args, **kwargs)
         # Serialise to bytes: tensors sent as-is would live in this process's shared memory,
         # which is gone once it exits.
