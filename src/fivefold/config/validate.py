@@ -100,9 +100,6 @@ def _check_latent_attention(m) -> None:
              "latent attention expands keys and values for every head")
     _require(m.rope_scaling == 0, f"model.rope_scaling={m.rope_scaling} (Llama 3.1 RoPE) is not available in "
              "model.family=deepseek_v3; use model.rope_yarn_factor, or set model.rope_scaling=0")
-    if m.rope_yarn_factor > 0:
-        _require(m.rope_yarn_beta_fast > m.rope_yarn_beta_slow, "model.rope_yarn_beta_fast="
-                 f"{m.rope_yarn_beta_fast} must exceed model.rope_yarn_beta_slow={m.rope_yarn_beta_slow} > 0")
 
 
 def _check_dense_layers(text: str, n_layers: int) -> None:
