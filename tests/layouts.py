@@ -182,7 +182,7 @@ def groups_released():
         gc.collect()
         # What survives (modules imported, caches) lives as long as the rank: later collections,
         # automatic ones during the next layouts included, need not walk it again. Measured on
-        # five 4-rank layouts: 20% less CPU per rank (benchmarks/RESULTS.md, "Spawns").
+        # five 4-rank layouts: 20% less CPU per rank (benchmarks/RESULTS.md, "gc.freeze in the ranks").
         gc.freeze()
 
 

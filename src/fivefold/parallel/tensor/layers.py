@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from fivefold.models.linear_cross_entropy import linear_cross_entropy
 from fivefold.models.rms_norm import rms_norm
-from fivefold.parallel.vocab_shard import VocabShard
 from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 from fivefold.parallel.tensor.sharded_inputs import mark, saving_shards
 from fivefold.parallel.stream_projection import project
+from fivefold.parallel.vocab_shard import VocabShard
 from fivefold.torch_internals import c10d_functional as _c10d
 
 
