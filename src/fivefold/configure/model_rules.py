@@ -13,8 +13,8 @@ from fivefold.config.validate_optimizer import runs_muon
 
 
 def check_family(cfg: Config) -> None:
-    """One sentence if the family cannot be what the keys ask (models/*/spec.py check), has no
-    multi-token prediction for model.mtp_depth, or if checkpoint.export_hf asks for a folder
+    """One sentence if the family cannot be what the keys ask (its ModelSpec's facts: experts or
+    none, multi-token prediction; then its own `check`), or if checkpoint.export_hf asks for a folder
     transformers (or PEFT, for an adapter) could not load. Keys of the model only, not the layout:
     checked once per model for the search's many layouts."""
     m = cfg.model
@@ -24,6 +24,7 @@ def check_family(cfg: Config) -> None:
     from fivefold.models.registry import model_spec
 
     spec = model_spec(m)
+    _check_experts(m, spec)
     if m.mtp_depth and not spec.multi_token_prediction:
         raise ConfigError(f"model.mtp_depth={m.mtp_depth} needs a family with multi-token prediction "
                           f"(deepseek_v3); model.family={m.family} has none, so set model.mtp_depth = 0")
@@ -40,6 +41,18 @@ def check_family(cfg: Config) -> None:
 
 
 _FAMILY_CHECKED: set[tuple] = set()  # (model, export, lora) that passed check_family
+
+
+def _check_experts(m, spec) -> None:
+    """A dense-only family with experts, or an MoE-only one without: the family to name instead."""
+    n = m.moe.n_experts
+    if spec.experts == "none" and n > 0:
+        raise ConfigError(f"model.family={m.family} is dense but model.moe.n_experts={n}; "
+                          f"use model.family={spec.other_kind} for an MoE model")
+    if spec.experts == "required" and n == 0:
+        why = f" ({spec.experts_why})" if spec.experts_why else ""
+        raise ConfigError(f"model.family={m.family} needs model.moe.n_experts > 0{why}; "
+                          f"use model.family={spec.other_kind} for a dense model")
 
 
 def check_param_groups(cfg: Config) -> None:

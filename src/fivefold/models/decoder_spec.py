@@ -40,7 +40,7 @@ def decoder_tied(cfg: ModelConfig) -> dict[str, str]:
     return dict(TIED) if cfg.tie_embeddings else {}
 
 
-def decoder_spec(name: str, hf: HFAdapter, qk_norm: bool, check=None) -> ModelSpec:
+def decoder_spec(name: str, hf: HFAdapter, qk_norm: bool, experts: str, other_kind: str) -> ModelSpec:
     def build(cfg: ModelConfig) -> torch.nn.Module:
         return Transformer(cfg, qk_norm=qk_norm)
 
@@ -48,4 +48,4 @@ def decoder_spec(name: str, hf: HFAdapter, qk_norm: bool, check=None) -> ModelSp
         name=name, build=build, initial_values=initial_values,
         block_plan=lambda cfg, index: decoder_block_plan(cfg, index, qk_norm), root_plan=ROOT_PLAN,
         attention_core="attention.core", first_stage=("tok_embeddings",), last_stage=("norm", "output"),
-        tied=decoder_tied, hf=hf, **({"check": check} if check is not None else {}))
+        tied=decoder_tied, hf=hf, experts=experts, other_kind=other_kind)

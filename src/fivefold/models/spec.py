@@ -85,7 +85,13 @@ class ModelSpec:
     # Tied parameters of a config: copy -> source (the copy is the same tensor, saved once as the source).
     tied: Callable[[ModelConfig], dict[str, str]]
     hf: HFAdapter
-    # Family-specific checks of a config, one sentence each (raise ConfigError).
-    check: Callable[[ModelConfig], None] = field(default=lambda cfg: None)
+    # Family facts, checked in one place (configure/model_rules.py check_family): whether its layers
+    # carry experts ("none": dense only; "required": MoE only, `experts_why` says why), and the
+    # family a config of the other kind should name instead.
+    experts: str = "none"
+    experts_why: str = ""
+    other_kind: str = ""
     # Whether the family builds model.mtp_depth multi-token-prediction blocks (models/mtp.py).
     multi_token_prediction: bool = False
+    # What the facts above cannot say, one sentence each (raise ConfigError).
+    check: Callable[[ModelConfig], None] = field(default=lambda cfg: None)

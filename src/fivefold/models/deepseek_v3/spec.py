@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ModelConfig
 from fivefold.models.decoder_spec import ROOT_PLAN, decoder_block_plan, decoder_tied
 from fivefold.models.deepseek_v3.hf import ADAPTER
 from fivefold.models.deepseek_v3.model import DeepseekV3Transformer, initial_values
@@ -42,12 +42,6 @@ def block_plan(cfg: ModelConfig, index: int) -> dict[str, str]:
     return plan
 
 
-def check(cfg: ModelConfig) -> None:
-    if cfg.moe.n_experts == 0:
-        raise ConfigError("model.family=deepseek_v3 needs model.moe.n_experts > 0 (its layers after "
-                          "model.moe.first_dense are MoE); use model.family=llama for a dense model")
-
-
 def build(cfg: ModelConfig) -> torch.nn.Module:
     return DeepseekV3Transformer(cfg)
 
@@ -63,4 +57,5 @@ SPEC = ModelSpec(
     name="deepseek_v3", build=build, initial_values=initial_values, block_plan=block_plan,
     root_plan={**ROOT_PLAN, "mtp_embeddings": TP.VOCAB_EMBEDDING}, attention_core="attention.core",
     first_stage=("tok_embeddings",), last_stage=("norm", "output", "mtp_embeddings"), tied=tied, hf=ADAPTER,
-    check=check, multi_token_prediction=True)
+    experts="required", experts_why="its layers after model.moe.first_dense are MoE", other_kind="llama",
+    multi_token_prediction=True)

@@ -30,9 +30,6 @@ def block_plan(cfg: ModelConfig, index: int) -> dict[str, str]:
 
 def check(cfg: ModelConfig) -> None:
     m = cfg.moe
-    if m.n_experts == 0:
-        raise ConfigError("model.family=gpt_oss needs model.moe.n_experts > 0 (every gpt-oss layer is MoE); "
-                          "use model.family=llama for a dense model")
     if not all(is_moe_layer(cfg, i) for i in range(cfg.n_layers)):
         raise ConfigError("model.family=gpt_oss has no dense layers yet (every gpt-oss layer is MoE); set "
                           "model.moe.every=1, model.moe.first_dense=0 and model.moe.dense_layers=''")
@@ -54,4 +51,5 @@ def build(cfg: ModelConfig) -> torch.nn.Module:
 SPEC = ModelSpec(
     name="gpt_oss", build=build, initial_values=initial_values, block_plan=block_plan, root_plan=ROOT_PLAN,
     attention_core="attention.core", first_stage=("tok_embeddings",), last_stage=("norm", "output"),
-    tied=decoder_tied, hf=ADAPTER, check=check)
+    tied=decoder_tied, hf=ADAPTER, experts="required", experts_why="every gpt-oss layer is MoE", other_kind="llama",
+    check=check)
