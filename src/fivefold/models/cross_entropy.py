@@ -73,6 +73,26 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction:
     return _ChunkedCrossEntropy.apply(flat, targets, reduction == "mean", ignore_index, chunk, overwrite, shard)
 
 
+def target_columns(targets: torch.Tensor, ignore_index: int, first: int, vocab: int):
+    """(positions with a target, each target's column among this process's `vocab` columns from
+    `first` (0 where not here), whether the target is one of them)."""
+    valid = targets != ignore_index
+    column = targets - first
+    here = valid & (column >= 0) & (column < vocab)
+    return valid, torch.where(here, column, 0), here
+
+
+def combine_shards(lse: torch.Tensor, target_logit: torch.Tensor, shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-sum-exp and target logit over the whole vocabulary from each process's share
+    (the target logit 0 where the target is not among its columns): one max, one sum. Unchanged
+    without a shard."""
+    if shard is None:
+        return lse, target_logit
+    top = shard.max(lse.clone())
+    summed = shard.sum(torch.stack([(lse - top).exp_(), target_logit]))
+    return summed[0].log_().add_(top), summed[1]
+
+
 def _fp32(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """x in fp32, and whether that is a copy of its own (which may then be changed in place)."""
     return (x, False) if x.dtype == torch.float32 else (x.float(), True)
@@ -83,10 +103,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, targets, mean: bool, ignore_index: int, chunk: int, overwrite: bool, shard):
         n, vocab = x.shape
         first = shard.first if shard is not None else 0
-        valid = targets != ignore_index
-        column = targets - first
-        here = valid & (column >= 0) & (column < vocab)  # the target is one of this process's columns
-        column = torch.where(here, column, 0)
+        valid, column, here = target_columns(targets, ignore_index, first, vocab)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         target_logit = torch.empty(n, dtype=torch.float32, device=x.device)
         with torch.no_grad():
@@ -98,12 +115,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 shifted = c.sub_(top[:, None]) if own else c - top[:, None]
                 lse[start:end] = shifted.exp_().sum(dim=1).log_().add_(top)
                 del c, shifted
-            target_logit = torch.where(here, target_logit, 0.0)
-            if shard is not None:  # combine the processes' columns: one max, one sum
-                top = shard.max(lse.clone())
-                summed = shard.sum(torch.stack([(lse - top).exp_(), target_logit]))
-                lse = summed[0].log_().add_(top)
-                target_logit = summed[1]
+            lse, target_logit = combine_shards(lse, torch.where(here, target_logit, 0.0), shard)
             per_token = torch.where(valid, lse - target_logit, 0.0)
             total = per_token.sum()
             divisor = valid.sum() if mean else None
@@ -118,10 +130,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         x, targets, lse = ctx.saved_tensors
         n, vocab = x.shape
-        valid = targets != ctx.ignore_index
-        column = targets - ctx.first
-        here = valid & (column >= 0) & (column < vocab)
-        column = torch.where(here, column, 0)
+        valid, column, here = target_columns(targets, ctx.ignore_index, ctx.first, vocab)
         scale = grad.float() / ctx.divisor if ctx.mean else grad.float()
         weight = torch.where(valid, scale, 0.0)  # (n,): d loss / d per-token loss
         one = here.to(torch.float32)[:, None]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fivefold.models.cross_entropy import IGNORE, chunk_tokens
+from fivefold.models.cross_entropy import IGNORE, chunk_tokens, combine_shards, target_columns
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -49,7 +49,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, targets, ignore_index: int, chunk: int, shard):
         n, vocab = x.shape[0], weight.shape[0]
         first = shard.first if shard is not None else 0
-        valid, column, here = _target_columns(targets, ignore_index, first, vocab)
+        valid, column, here = target_columns(targets, ignore_index, first, vocab)
         w = weight.to(x.dtype)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         target_logit = torch.empty(n, dtype=torch.float32, device=x.device)
@@ -61,12 +61,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 top = logits.amax(dim=1)
                 lse[start:end] = logits.sub_(top[:, None]).exp_().sum(dim=1).log_().add_(top)
                 del logits
-            target_logit = torch.where(here, target_logit, 0.0)
-            if shard is not None:  # combine the processes' columns: one max, one sum
-                top = shard.max(lse.clone())
-                summed = shard.sum(torch.stack([(lse - top).exp_(), target_logit]))
-                lse = summed[0].log_().add_(top)
-                target_logit = summed[1]
+            lse, target_logit = combine_shards(lse, torch.where(here, target_logit, 0.0), shard)
             total = torch.where(valid, lse - target_logit, 0.0).sum()
         ctx.save_for_backward(x, weight, targets, lse)
         ctx.ignore_index, ctx.chunk, ctx.first = ignore_index, chunk, first
@@ -77,7 +72,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, targets, lse = ctx.saved_tensors
         n, vocab = x.shape[0], weight.shape[0]
-        valid, column, here = _target_columns(targets, ctx.ignore_index, ctx.first, vocab)
+        valid, column, here = target_columns(targets, ctx.ignore_index, ctx.first, vocab)
         scale = torch.where(valid, grad.float(), 0.0)  # (n,): d loss / d a token's cross-entropy
         one = here.to(torch.float32)[:, None]
         w = weight.to(x.dtype)
@@ -100,15 +95,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_x, grad_w, None, None, None, None
-
-
-def _target_columns(targets: torch.Tensor, ignore_index: int, first: int, vocab: int):
-    """(positions with a target, each target's column in this process's rows (0 where not here),
-    whether the target is one of them)."""
-    valid = targets != ignore_index
-    column = targets - first
-    here = valid & (column >= 0) & (column < vocab)
-    return valid, torch.where(here, column, 0), here
 
 
 class OutputLayer(nn.Linear):
