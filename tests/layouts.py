@@ -139,6 +139,7 @@ class Run:
     eval_losses: list[float] = field(default_factory=list)  # the held-out loss of each evaluation
     mtp_losses: list[float] = field(default_factory=list)  # multi-token prediction's loss of each step
     qk_clipped: list[int] = field(default_factory=list)  # train.qk_clip: heads clipped at each step
+    nan_shape_inputs: int = 0  # pipeline shape inference's inputs this rank made NaN (nan_shape_inference)
     compile_s: float = 0.0  # seconds torch.compile spent (train.compile): 0 when nothing compiled
     dtype: str = "fp32"  # train.dtype: bf16 runs are compared at bf16's floor (BF16_RTOL)
     # Reference runs only: the largest weight difference between this run and the same settings
@@ -188,8 +189,39 @@ def groups_released():
 
 def run_layout(overrides: dict) -> Run:
     """Train the tiny config under the current process group (or alone)."""
-    with groups_released():
-        return _run_layout(overrides)
+    with groups_released(), nan_shape_inference() as made:
+        run = _run_layout(overrides)
+    run.nan_shape_inputs = len(made)
+    return run
+
+
+@contextlib.contextmanager
+def nan_shape_inference():
+    """torch's pipelining infers a later stage's shapes with a real forward (and an input-gradient
+    backward) on inputs it makes from metadata with torch.empty: uninitialised memory, which may
+    hold anything. Here they hold NaN, the worst case, so that every pipeline layout of the suite
+    shows that nothing a step keeps (QK-clip's maxima, router statistics, MTP losses, the loss)
+    counts that forward. Yields the list of inputs made so (a test can check the patch acted)."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    from fivefold.parallel.pipeline.observed_stage import ObservedStage
+
+    made = []
+
+    def nan_filled(stage, arg):
+        tensor = PipelineStage._to_tensor(stage, arg)
+        if not isinstance(arg, torch.Tensor):  # made from metadata, not a micro-batch's tensor
+            with torch.no_grad():
+                tensor.fill_(float("nan"))
+            made.append(tuple(tensor.shape))
+        return tensor
+
+    ObservedStage._to_tensor = nan_filled
+    try:
+        yield made
+    finally:
+        del ObservedStage._to_tensor
 
 
 def _run_layout(overrides: dict) -> Run:

@@ -22,9 +22,9 @@ gradient of the micro-batch's weight in its step (Megatron's approach; models/lo
 batches, like the LM loss, stated by the training loop around its forwards). So it works the same
 inside a pipeline stage or a recomputed block.
 Router statistics (load per expert, dropped assignments, auxiliary loss value) are kept per
-forward, skipping no-grad forwards (evaluation) and the forwards that recomputation repeats inside
-backward; `take_stats(n)` sums the last n (a step's micro-batches: a pipeline stage's first step
-runs one extra forward to infer shapes) and clears them.
+forward that counts (models/forward_kind.py: not evaluation, not a recomputation); `take_stats(n)`
+sums the last n (a step's micro-batches: a pipeline stage's first step runs one extra forward to
+infer shapes) and clears them.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from torch import nn
 
 from fivefold.config import ModelConfig, MoEConfig
 from fivefold.models.decoder import FeedForward
+from fivefold.models.forward_kind import counts_for_stats
 from fivefold.models.loss_weight import current_micro_batch_weight
 from fivefold.models.moe_capacity import SequenceSplit, capacity_keep, nested
 from fivefold.models.moe_layout import is_moe_layer
 from fivefold.models.swiglu import swiglu
-from fivefold.torch_internals import current_graph_task_id, grouped_mm, has_grouped_mm
+from fivefold.torch_internals import grouped_mm, has_grouped_mm
 
 
 def moe_feed_forward(cfg: ModelConfig, index: int) -> nn.Module | None:
@@ -232,11 +233,6 @@ class RouterStats:
         load = other.load if self.load is None else self.load + other.load
         return RouterStats(load, self.dropped + other.dropped, self.aux_loss + other.aux_loss,
                            self.forwards + other.forwards)
-
-
-def counts_for_stats() -> bool:
-    # Not evaluation (no grad) and not a recomputation running inside a backward pass.
-    return torch.is_grad_enabled() and current_graph_task_id() == -1
 
 
 EXPERTS = "experts"  # the attribute of MoE holding the stacked experts (expert parallelism splits it)

@@ -34,7 +34,7 @@ from torch import nn
 
 from fivefold.config import ModelConfig
 from fivefold.models.decoder import TransformerBlock, in_compute_dtype
-from fivefold.models.moe import counts_for_stats
+from fivefold.models.forward_kind import counts_for_stats
 from fivefold.models.rms_norm import RMSNorm
 
 IGNORE = -100  # F.cross_entropy's ignore_index: a position with no target at this depth

@@ -6,11 +6,13 @@ FSDP2 shards: DataParallel.scale_rows).
 
 Where the maxima come from: a forward hook on each attention core (the module that sees q and k:
 the context-parallel one under cp, which gathers the keys of the whole sequence) asks it for the
-heads' maxima of this micro-batch (`logit_max`). A step's maximum is then taken over its
-micro-batches, over the ranks that split the batch (dp and cp: an all-reduce MAX) and assembled
-over tp (each tp rank holds a contiguous block of heads: an all-gather). Pipeline stages clip their
-own layers. The model's modules say how (`qk_row_scales`, `attention_core`); this file knows no
-family's names.
+heads' maxima of this micro-batch (`logit_max`), recorded per forward that counts
+(models/forward_kind.py). A step's maximum is then taken over its last n_micro records (a pipeline
+stage's first step begins with torch's shape-inference forward on uninitialised inputs, whose
+"maxima" are garbage, NaN at worst), over the ranks that split the batch (dp and cp: an
+all-reduce MAX) and assembled over tp (each tp rank holds a contiguous block of heads: an
+all-gather). Pipeline stages clip their own layers. The model's modules say how (`qk_row_scales`,
+`attention_core`); this file knows no family's names.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from fivefold.models.forward_kind import counts_for_stats
 from fivefold.parallel.step_hooks import StepHook
 
 
@@ -32,21 +35,24 @@ class QKClipStep(StepHook):
     def __init__(self, parts, threshold: float):
         self.threshold = threshold
         self.attentions = [m for part in parts for m in part.modules() if hasattr(m, "qk_row_scales")]
-        self.maxima: dict[int, torch.Tensor] = {}  # id(attention) -> (local heads,) this step
+        self.maxima: dict[int, list[torch.Tensor]] = {}  # id(attention) -> (local heads,) per forward
+        self.n_micro = 0
         for attention in self.attentions:
             attention.attention_core().register_forward_hook(functools.partial(self._record, attention),
                                                              with_kwargs=True)
 
     def _record(self, attention, core, args, kwargs, output) -> None:
+        if not counts_for_stats():
+            return
         q, k = args[0], args[1]
         documents = args[3] if len(args) > 3 else kwargs.get("documents")
         with torch.no_grad():
             heads = core.logit_max(q, k, documents)
-        seen = self.maxima.get(id(attention))
-        self.maxima[id(attention)] = heads if seen is None else torch.maximum(seen, heads)
+        self.maxima.setdefault(id(attention), []).append(heads)
 
     def before_step(self, par, n_micro: int) -> None:
         self.maxima.clear()
+        self.n_micro = n_micro
 
     def after_optimizer_step(self, par, optimizer) -> dict:
         if not self.attentions:  # a pipeline stage without attention layers
@@ -72,7 +78,7 @@ class QKClipStep(StepHook):
         missing = [i for i, a in enumerate(self.attentions) if id(a) not in self.maxima]
         if missing:
             raise RuntimeError(f"QK-clip saw no forward pass of attention layer {missing[0]} this step")
-        local = torch.stack([self.maxima[id(a)] for a in self.attentions])
+        local = torch.stack([torch.stack(self.maxima[id(a)][-self.n_micro:]).amax(0) for a in self.attentions])
         if par.dp_cp_group is not None and dist.get_world_size(par.dp_cp_group) > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=par.dp_cp_group)
         if par.dims.tp > 1:  # tp rank r holds heads [r·H/tp, (r+1)·H/tp)
