@@ -6,7 +6,7 @@ file's CRC-32) against the load itself, on one process and a checkpoint of `--gb
 The checkpoint is written once with fivefold's own writer (DCP, sharded_io) and its manifest; then
 each round times, alternating, (a) the load of every tensor into preallocated memory, (b) the
 size check alone and (c) sizes plus checksums, all from the page cache (the fastest load, so the
-largest ratio). With N ranks each rank checksums 1/N of the files (train/checkpoint_manifest.py),
+largest ratio). With N ranks each rank checksums 1/N of the files (checkpoint/manifest.py),
 so the one-process ratio is the worst case.
 """
 
@@ -23,7 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from fivefold.train import checkpoint_manifest, sharded_io  # noqa: E402
+from fivefold.checkpoint import manifest as checkpoint_manifest  # noqa: E402
+
+from fivefold.checkpoint import sharded_io
 
 TENSOR_ELEMENTS = 32 << 20  # 128 MiB fp32 tensors, as a large model's biggest weights
 

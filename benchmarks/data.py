@@ -89,7 +89,7 @@ def _hf_map(tokenizer_path: str):
 def throughput(work: Path, megabytes: float, workers: int) -> dict:
     import datasets
 
-    from fivefold.train.prepare import prepare
+    from fivefold.data.prepare import prepare
 
     corpus = work / "corpus.jsonl"
     size = corpus_jsonl(corpus, megabytes)
@@ -128,7 +128,7 @@ def throughput(work: Path, megabytes: float, workers: int) -> dict:
 
 def repeat_prepared(src: Path, dst: Path, times: int) -> None:
     """A prepared folder holding `src`'s stream `times` over (shards copied, index re-offset)."""
-    from fivefold.train.token_shards import DOCUMENTS, MANIFEST
+    from fivefold.data.token_shards import DOCUMENTS, MANIFEST
 
     manifest = json.loads((src / MANIFEST).read_text())
     dst.mkdir(parents=True)
@@ -151,7 +151,7 @@ def _rank(folder: str) -> dict:
     from fivefold.configure import load_config
     from fivefold.train.trainer import train
 
-    from fivefold.train.data import load_training_data
+    from fivefold.data.batches import load_training_data
 
     rank = int(os.environ["RANK"])  # set by spawn.py
     cfg = load_config(None, {"parallel": {"dp": 2}, "data": {"source": folder},
@@ -185,7 +185,7 @@ def two_rank_run(folder: Path) -> list[dict]:
 
 
 def scale(work: Path, base_mtokens: float, workers: int) -> list[dict]:
-    from fivefold.train.prepare import prepare
+    from fivefold.data.prepare import prepare
 
     corpus = work / "base.jsonl"
     corpus_jsonl(corpus, base_mtokens)  # byte tokens: one per byte (+1 separator per document)

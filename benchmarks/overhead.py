@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fivefold.configure import load_config
 from fivefold.models import build_model
-from fivefold.train.data import GlobalBatchSampler, load_splits
+from fivefold.data.batches import GlobalBatchSampler, load_splits
 from fivefold.train.trainer import train
 
 SHAPE = {"model": {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 768},

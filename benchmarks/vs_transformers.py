@@ -45,7 +45,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: cpu_roofline
 
 from fivefold.config import Config
 from fivefold.configure import load_config
-from fivefold.train.data import GlobalBatchSampler, load_splits
+from fivefold.data.batches import GlobalBatchSampler, load_splits
 from fivefold.train.trainer import train
 
 # A shape where the matmuls dominate on a CPU but a round still takes seconds.

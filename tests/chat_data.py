@@ -98,8 +98,8 @@ def write_corpus(root: Path) -> tuple[list[str], list[dict]]:
 def prepare_folder(root: Path, seq_len: int) -> Path:
     """The tokenizer, the corpus and `fivefold prepare --chat` of it into bins of `seq_len` tokens,
     under `root`: root/tokenizer/tokenizer.json, root/prepared."""
-    from fivefold.train.prepare import prepare
-    from fivefold.train.prepare_chat import chat_settings
+    from fivefold.data.prepare import prepare
+    from fivefold.data.prepare_chat import chat_settings
 
     tokenizer = make_tokenizer(root / "tokenizer")
     sources, _ = write_corpus(root / "conversations")
@@ -117,8 +117,8 @@ def make_chat_demo_inputs(root: Path) -> Path:
     from fivefold.models import build_model
     from fivefold.models.hf import save_hf
     from fivefold.tools import chat_demo
-    from fivefold.train.prepare import prepare
-    from fivefold.train.prepare_chat import chat_settings
+    from fivefold.data.prepare import prepare
+    from fivefold.data.prepare_chat import chat_settings
 
     demo = root / "runs" / "chat-demo"
     assert chat_demo.main([str(demo)]) == 0

@@ -100,7 +100,7 @@ def _merge(base: dict, top: dict) -> dict:
 def write_short_documents(path, n_documents: int = 3000, seed: int = 0) -> str:
     """A .jsonl corpus of short documents (1 to 60 characters, no newline inside), so that most
     windows of the tiny config cross document boundaries: what document masking tests train on.
-    Each document ends with the newline tokenizing appends (train/data.py)."""
+    Each document ends with the newline tokenizing appends (data/batches.py)."""
     import json
     import random
 

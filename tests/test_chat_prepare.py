@@ -22,10 +22,10 @@ from chat_data import CHATML, make_tokenizer, messages, write_corpus
 
 from fivefold.cli import main
 from fivefold.config import ConfigError
-from fivefold.train import prepare_chat
-from fivefold.train.prepare import prepare
-from fivefold.train.prepare_chat import chat_settings
-from fivefold.train.token_shards import TokenShards
+from fivefold.data import prepare_chat
+from fivefold.data.prepare import prepare
+from fivefold.data.prepare_chat import chat_settings
+from fivefold.data.token_shards import TokenShards
 
 pytest.importorskip("transformers")
 pa = pytest.importorskip("pyarrow")

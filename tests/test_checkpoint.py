@@ -15,7 +15,7 @@ from layouts import LOSS_RTOL, reference, tiny_config
 from ranks import run_on_ranks
 
 from fivefold.config import ConfigError
-from fivefold.train import checkpoint
+from fivefold.checkpoint import save_load as checkpoint
 
 MOE = {"moe": {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64, "balance": "bias"}}
 SAVE = {"parallel": {"dp": 2, "zero": 1}, "train": {"micro_batch": 2}}
@@ -216,7 +216,7 @@ def _copy(saved, tmp_path):
 def _reseal(folder):
     """Rewrite the manifest over a deliberately changed folder, so that the checks behind it
     (DCP's own reads, the metadata allow-list, the shapes) are what meets the damage."""
-    from fivefold.train import checkpoint_manifest
+    from fivefold.checkpoint import manifest as checkpoint_manifest
 
     data = {p.name: checkpoint_manifest.digest(p) for p in folder.glob("*.distcp")}
     checkpoint_manifest.write(folder, data)

@@ -15,7 +15,8 @@ import torch.distributed.checkpoint.filesystem as dcp_files
 from layouts import tiny_config
 
 from fivefold.config.file_errors import FileProblem
-from fivefold.train import checkpoint, checkpoint_manifest
+from fivefold.checkpoint import save_load as checkpoint
+from fivefold.checkpoint import manifest as checkpoint_manifest
 from fivefold.train.trainer import train
 
 ERRORS = {  # errno -> the words of the sentence and its fix
@@ -86,7 +87,7 @@ def test_a_disk_without_room_for_one_checkpoint_is_said_before_the_first_step(tm
                                                                               optimizer, holds):
     from collections import namedtuple
 
-    from fivefold.train import checkpoint_space
+    from fivefold.checkpoint import space as checkpoint_space
 
     cfg = tiny_config({"train": {"steps": 1, "optimizer": optimizer},
                        "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1}})

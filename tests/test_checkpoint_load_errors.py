@@ -17,7 +17,7 @@ from layouts import tiny_config
 from file_faults import refuse_reads
 
 from fivefold.config import ConfigError
-from fivefold.train import checkpoint
+from fivefold.checkpoint import save_load as checkpoint
 from fivefold.train.trainer import train
 
 EIO = ("the storage reported an input/output error; check the disk or network file system (dmesg, the storage's "

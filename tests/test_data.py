@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from fivefold.config import ConfigError, DataConfig
-from fivefold.train.data import (ByteTokenizer, GlobalBatchSampler, HFTokenizer, Split, documents,
+from fivefold.data.batches import (ByteTokenizer, GlobalBatchSampler, HFTokenizer, Split, documents,
                                  load_splits, load_training_data, rank_slice)
 from fivefold.config.validate_data import parse_mix
-from fivefold.train.mixture import BLOCK
-from fivefold.train.token_shards import TokenShards, held_out_ranges, prepared_splits
+from fivefold.data.mixture import BLOCK
+from fivefold.data.token_shards import TokenShards, held_out_ranges, prepared_splits
 
 SAMPLE = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
           "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.\n") * 8
@@ -48,7 +48,7 @@ def test_builtin_corpus_is_real_text_and_deterministic():
 
 def test_builtin_corpus_is_the_same_in_another_process():
     """Another process (with another string-hash seed) reads exactly the same corpus."""
-    code = ("import hashlib; from fivefold.config import DataConfig; from fivefold.train.data import documents; "
+    code = ("import hashlib; from fivefold.config import DataConfig; from fivefold.data.batches import documents; "
             "print(hashlib.sha256('\\0'.join(documents(DataConfig(builtin_max_bytes=60_000))).encode()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED="12345"),
                          capture_output=True, text=True, check=True).stdout.strip()
@@ -162,7 +162,7 @@ def test_raw_parquet_and_saved_dataset_are_read_by_batches(tmp_path, monkeypatch
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fivefold.train import readers
+    from fivefold.data import readers
 
     monkeypatch.setattr(readers, "BATCH_ROWS", 7)  # many batches and row groups, not one read
     texts = [f"row {i} ✓" for i in range(50)]
@@ -326,7 +326,7 @@ def test_sampler_covers_windows_uniformly():
 # ---------------------------------------------------------------- prepared folders and mixtures
 
 def _prepare_jsonl(folder, docs, unit_bytes=4000):
-    from fivefold.train.prepare import prepare
+    from fivefold.data.prepare import prepare
 
     source = folder.parent / (folder.name + ".jsonl")
     source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -478,7 +478,7 @@ def test_mix_of_different_tokenizers_is_refused(prepared, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from fivefold.configure import load_config
-    from fivefold.train.prepare import prepare
+    from fivefold.data.prepare import prepare
     from fivefold.configure import validate
 
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))

@@ -16,8 +16,8 @@ from file_faults import refuse_reads
 from fivefold.cli import main
 from fivefold.config.file_errors import FileProblem
 from fivefold.config.manifest import read_manifest
-from fivefold.train.prepare import prepare
-from fivefold.train.token_shards import DOCUMENTS, TokenShards
+from fivefold.data.prepare import prepare
+from fivefold.data.token_shards import DOCUMENTS, TokenShards
 
 
 @pytest.fixture(scope="module")

@@ -219,8 +219,8 @@ def _check_ids_follow_the_text(batches, steps=3):
 
 
 def test_windows_carry_document_ids(tmp_path):
-    from fivefold.train.data import load_training_data
-    from fivefold.train.prepare import prepare
+    from fivefold.data.batches import load_training_data
+    from fivefold.data.prepare import prepare
 
     docs_a = [f"{'a' * (1 + i % 7)} " * (1 + i % 5) for i in range(300)]
     docs_b = [f"{'b' * (1 + i % 3)} " * (1 + i % 4) for i in range(200)]
@@ -242,7 +242,7 @@ def test_windows_carry_document_ids(tmp_path):
 
 
 def test_document_mask_without_documents_gets_one_sentence(tmp_path):
-    from fivefold.train.data import load_training_data
+    from fivefold.data.batches import load_training_data
 
     text = tmp_path / "book.txt"
     text.write_text("one long document\n" * 200)

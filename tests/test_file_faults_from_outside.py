@@ -6,7 +6,7 @@ short. Each ends with exit code 2, one line on stderr and no traceback.
 
 The train case found what the injected tests could not: torch.save's zip writer, which writes
 DCP's tensor files, reports a write the storage cut short as a RuntimeError about positions, not
-as the OS's error (train/save_failures.py)."""
+as the OS's error (checkpoint/save_failures.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import fivefold
 from fivefold.cli import main
 from fivefold.config import ConfigError
 from fivefold.tools.generate import generate
-from fivefold.train.data import ByteTokenizer
+from fivefold.data.batches import ByteTokenizer
 
 PROMPT = "def __init__(self"
 

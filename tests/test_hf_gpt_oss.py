@@ -65,7 +65,7 @@ def test_first_training_loss_is_transformers(hf_folder):
 
 
 def _assert_first_loss_is_transformers(folder, hf):
-    from fivefold.train.data import GlobalBatchSampler, load_splits
+    from fivefold.data.batches import GlobalBatchSampler, load_splits
     from fivefold.train.trainer import train
 
     cfg = load_config(None, {"model": {"init_from": str(folder)}, "log": {"progress": False},

@@ -45,7 +45,7 @@ def _start_from_folder(folder: str) -> tuple:
 
 
 def _first_global_batch(cfg) -> torch.Tensor:
-    from fivefold.train.data import GlobalBatchSampler, load_splits
+    from fivefold.data.batches import GlobalBatchSampler, load_splits
 
     split, _ = load_splits(cfg.data, cfg.train.seq_len, cfg.model.vocab_size)
     return split.windows(GlobalBatchSampler(split.num_windows, cfg.train.global_batch, cfg.train.seed).indices(0))

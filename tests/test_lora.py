@@ -309,7 +309,7 @@ def test_the_checkpoint_holds_adapters_not_the_base(runs, root):
     """Every tensor saved is an adapter or its AdamW moment (or the RNG state): 8192 adapter
     elements three times, where the base alone is 90432."""
     from fivefold.models.lora import is_adapter
-    from fivefold.train import sharded_io
+    from fivefold.checkpoint import sharded_io
 
     stored = sharded_io.shapes(f"{root}/step_00000002")
     kinds = {key.split("/", 1)[0] for key in stored}

@@ -187,7 +187,7 @@ def test_convert_without_merge_writes_the_peft_folder(llama):
 
 
 def test_a_changed_base_is_refused(llama):
-    from fivefold.train.checkpoint import read_state
+    from fivefold.checkpoint.save_load import read_state
     from fivefold.train.export import checkpoint_folder, model_config
     from fivefold.train.lora_export import adapted_model
 

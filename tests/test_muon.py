@@ -245,7 +245,7 @@ def test_resume_that_switches_the_optimizer_starts_its_state_afresh(tmp_path, ca
 def test_a_matrix_moved_to_adamw_on_resume_counts_its_steps_from_zero(tmp_path, capsys):
     """A Muon checkpoint resumed under AdamW: the matrices' AdamW starts as a fresh one would, so
     its first bias-corrected update is lr per element (with the saved step count 2, ~0.64 lr)."""
-    from fivefold.train import checkpoint
+    from fivefold.checkpoint import save_load as checkpoint
     from fivefold.train.trainer import train
 
     train(tiny_config({"train": {**TRAIN, "steps": 2}, "checkpoint": {"dir": str(tmp_path), "every": 2}}))

@@ -14,7 +14,8 @@ from file_faults import one_sentence
 
 from fivefold.cli import main
 from fivefold.config.file_errors import FileProblem
-from fivefold.train import metrics, prepare as prepare_module
+from fivefold.train import metrics
+from fivefold.data import prepare as prepare_module
 from fivefold.train.trainer import train
 
 

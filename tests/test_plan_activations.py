@@ -145,9 +145,9 @@ def test_branches_apart_keep_less(measured, label, monkeypatch):
 
     apart = _predicted(FOUR_RANKS[label])
     monkeypatch.setattr(activations, "split_branches", lambda *args: False)
-    activations._activation_bytes.cache_clear()  # memoised per layout; the recipe changed under it
+    activations.clear_caches()  # memoised per layout; the recipe changed under it
     whole = _predicted(FOUR_RANKS[label])
-    activations._activation_bytes.cache_clear()
+    activations.clear_caches()
     assert apart < whole and measured[label] < (apart + whole) / 2, \
         f"{label}: measured {measured[label]:,} B, predicted {apart:,.0f} B apart, {whole:,.0f} B whole"
 

@@ -17,9 +17,9 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError
-from fivefold.train.data import HFTokenizer
-from fivefold.train.prepare import prepare
-from fivefold.train.token_shards import TokenShards
+from fivefold.data.batches import HFTokenizer
+from fivefold.data.prepare import prepare
+from fivefold.data.token_shards import TokenShards
 
 DOCS = [f"document {i}: " + "héllo wörld ✓ " * (i % 7) + "end" for i in range(300)]
 
@@ -125,7 +125,7 @@ def test_interrupted_prepare_resumes_to_identical_output(corpus, tmp_path):
     prepare(_sources(corpus), "byte", str(clean), workers=1, unit_bytes=2000, progress=False)
     out = tmp_path / "killed"
     command = [sys.executable, "-m", "fivefold", "prepare", *_sources(corpus), "--out", str(out), "--workers", "1"]
-    code = ("import sys, fivefold.train.prepare as p; p.UNIT_BYTES = 2000; from fivefold.cli import main; "
+    code = ("import sys, fivefold.data.prepare as p; p.UNIT_BYTES = 2000; from fivefold.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     env = dict(os.environ, FIVEFOLD_DEBUG_PREPARE_PAUSE_S="0.3")
     proc = subprocess.Popen([sys.executable, "-c", code, *command[3:]], env=env)

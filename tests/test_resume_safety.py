@@ -8,7 +8,8 @@ import pytest
 from layouts import tiny_config
 
 from fivefold.config import ConfigError
-from fivefold.train import checkpoint, resume_checks
+from fivefold.checkpoint import save_load as checkpoint
+from fivefold.checkpoint import resume_checks
 from fivefold.train.optim import lr_multiplier
 from fivefold.train.trainer import train
 

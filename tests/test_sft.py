@@ -44,7 +44,7 @@ def _transformers_loss(folder, hf_model) -> tuple[float, int]:
     """transformers' loss of step 1's global batch: each conversation (document) of each window run
     alone, labels -100 where the mask says untrained, summed and divided by the batch's trained
     tokens (`num_items_in_batch`), as transformers' trainers do under gradient accumulation."""
-    from fivefold.train.data import load_training_data
+    from fivefold.data.batches import load_training_data
 
     cfg = tiny_config(sft_settings(folder))
     batches, _ = load_training_data(cfg.data, SEQ, 512, cfg.train.global_batch, cfg.train.seed)

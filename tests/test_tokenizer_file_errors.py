@@ -15,8 +15,8 @@ from layouts import tiny_config
 from fivefold.config import DataConfig
 from fivefold.config.file_errors import FileProblem
 from fivefold.train import trainer
-from fivefold.train.chat_template import load_template
-from fivefold.train.data import load_splits
+from fivefold.data.chat_template import load_template
+from fivefold.data.batches import load_splits
 
 FIX = "give the tokenizer.json of a model (its folder holds one) or 'byte'"
 EIO = ("the storage reported an input/output error; check the disk or network file system (dmesg, the storage's "
@@ -42,7 +42,7 @@ def _cut_short(path):
 
 
 def _rank_reads(tok) -> str:
-    """What a rank does with data.tokenizer on a raw-text source (train/data.py)."""
+    """What a rank does with data.tokenizer on a raw-text source (data/batches.py)."""
     with pytest.raises(FileProblem) as err:
         load_splits(DataConfig(source=str(tok.parent / "corpus.txt"), tokenizer=str(tok)), seq_len=8, vocab_size=512)
     return str(err.value)

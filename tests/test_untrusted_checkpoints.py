@@ -15,8 +15,8 @@ import shutil
 import pytest
 from outside_the_run import Untouched, fivefold, refused, succeeded, train
 
-from fivefold.train import checkpoint_manifest
-from fivefold.train.sharded_io import _MetadataUnpickler
+from fivefold.checkpoint import manifest as checkpoint_manifest
+from fivefold.checkpoint.sharded_io import _MetadataUnpickler
 
 STEP = "step_00000002"
 TRUST = "use one from a source you trust"

@@ -308,11 +308,11 @@ def cmd_prepare(args: list[str]) -> int:
                           "[--train-roles assistant]]" + (f" (unknown: {' '.join(unknown)})" if unknown else ""))
     import time
 
-    from fivefold.train.prepare import prepare, summary
+    from fivefold.data.prepare import prepare, summary
 
     chat = None
     if own.chat:
-        from fivefold.train.prepare_chat import chat_settings
+        from fivefold.data.prepare_chat import chat_settings
 
         chat = chat_settings(own.tokenizer, own.seq_len, own.chat_template, own.train_roles)
     elif own.seq_len or own.chat_template or own.train_roles != "assistant":

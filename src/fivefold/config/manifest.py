@@ -1,6 +1,6 @@
 """The manifest of a prepared folder (`fivefold prepare`): its file name, its format tag and its
 reader. Validation reads it before any process starts (the tokenizer, the document count);
-train/prepare.py writes it and train/token_shards.py maps the shards it lists.
+data/prepare.py writes it and data/token_shards.py maps the shards it lists.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def check_data(cfg: Config) -> None:
         _require(Path(d.source).exists(), f"data.source '{d.source}' does not exist; give a text/jsonl/"
                  "parquet file or folder, or 'builtin'")
         if d.document_mask and Path(d.source).is_file() and Path(d.source).suffix not in (".jsonl", ".parquet"):
-            check_documents(f"data.source '{d.source}'", 1)  # before any process starts (train/data.py)
+            check_documents(f"data.source '{d.source}'", 1)  # before any process starts (data/batches.py)
     if d.tokenizer == "byte":
         _require(m.vocab_size >= 256, f"model.vocab_size={m.vocab_size} is too small for the byte "
                  "tokenizer; it needs at least 256")

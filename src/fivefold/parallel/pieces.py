@@ -1,7 +1,7 @@
 """What this rank holds, by single-device name: its parameters and persistent buffers, and where
 each of its pieces lies inside the whole tensor (tensor parallel's DTensor offsets, the experts of
 its ep rank). The names are the same in every layout; materialize.py fills the pieces, and
-train/state_boxes.py saves and loads them."""
+checkpoint/state_boxes.py saves and loads them."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def conversation(rng: random.Random) -> list[dict]:
 
 
 def stdlib_sample(max_bytes: int = 400_000) -> list[str]:
-    from fivefold.train.data import builtin_documents
+    from fivefold.data.batches import builtin_documents
 
     return list(builtin_documents(max_bytes))
 

@@ -28,11 +28,12 @@ from fivefold.config import Config, ConfigError, to_toml
 from fivefold.config.file_errors import need_folder, need_output_folder, os_problem, verb
 from fivefold.models.hf import DEFAULT_SHARD_BYTES, model_from_tensors
 from fivefold.models.hf_stream import HFBoxes, dequantised_note
-from fivefold.train import checkpoint_manifest, sharded_io
-from fivefold.train.checkpoint import FORMAT, read_state, read_tensors
+from fivefold.checkpoint import manifest as checkpoint_manifest
+from fivefold.checkpoint import sharded_io
+from fivefold.checkpoint.save_load import FORMAT, read_state, read_tensors
 from fivefold.train.export import checkpoint_folder, checkpoint_to_hf, model_config, run_tokenizer, with_tokenizer
 from fivefold.train.lora_export import ADAPTER_CONFIG, adapted_model, lora_of, with_base, write_merged_folder
-from fivefold.train.save_failures import storage_error
+from fivefold.checkpoint.save_failures import storage_error
 
 BLOCK_BYTES = 256 * 2**20  # the largest box an import writes (and a later reader of a slice loads)
 

@@ -6,7 +6,7 @@ a LoRA checkpoint: its base with the adapters), the folder (models.hf.load_pretr
 adapter folder (its base with the adapters, models/hf_peft.py); the tokenizer is the run's `data.tokenizer` (from the
 checkpoint's config.toml; byte when it names none), or the folder's tokenizer.json, unless
 --tokenizer is given. `--chat` renders the prompt as a user message with the tokenizer's chat
-template (train/chat_template.py, as `fivefold prepare --chat` renders the training data) and
+template (data/chat_template.py, as `fivefold prepare --chat` renders the training data) and
 prints the assistant's reply. No KV cache: each new token runs the model over the last
 `model.max_seq_len` tokens, which is plenty for a sample of a few hundred tokens from a small model.
 """
@@ -24,7 +24,7 @@ from fivefold.config.file_errors import need_folder
 from fivefold.models.hf_peft import ADAPTER_CONFIG
 from fivefold.tools.convert import checkpoint_folder, checkpoint_to_model
 from fivefold.train.export import run_tokenizer
-from fivefold.train.data import ByteTokenizer, HFTokenizer
+from fivefold.data.batches import ByteTokenizer, HFTokenizer
 
 
 def _tokenizer(name: str, what: str):
@@ -133,7 +133,7 @@ def chat_prompt(tokenizer: str, prompt: str, system: str = "", template_file: st
     if tokenizer == "byte":
         raise ConfigError("--chat needs a tokenizer with a chat template (a tokenizer.json with its "
                           "tokenizer_config.json); the byte tokenizer has none: pass --tokenizer PATH/tokenizer.json")
-    from fivefold.train.chat_template import Renderer, load_template
+    from fivefold.data.chat_template import Renderer, load_template
 
     template = load_template(tokenizer, template_file)
     renderer = Renderer(tokenizer, template, ("assistant",))

@@ -1,3 +1,3 @@
-"""Training: the loop (trainer.py), the optimizer, the data (prepare, token shards, mixtures,
-readers), checkpoints (checkpoint.py with sharded_io.py, state_boxes.py, state_shapes.py), faults,
-the local launcher and the metrics a step reports."""
+"""Training: the loop (trainer.py), the optimizer (optim.py, muon.py), faults and hangs, the local
+launcher, preemption, the metrics a step reports, export to Hugging Face, and the probes the planner
+is checked against. Data and checkpoints have rooms of their own (fivefold/data, fivefold/checkpoint)."""

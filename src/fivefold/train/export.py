@@ -22,10 +22,10 @@ from fivefold.configure import load_config
 from fivefold.config.file_errors import os_problem, verb
 from fivefold.models.hf import DEFAULT_SHARD_BYTES
 from fivefold.models.hf_stream import write_hf_folder
-from fivefold.train import sharded_io
-from fivefold.train.chat_template import copy_tokenizer
-from fivefold.train.checkpoint import LATEST, follow_latest, read_state
-from fivefold.train.state_shapes import check_shapes, expected_tensors
+from fivefold.checkpoint import sharded_io
+from fivefold.data.chat_template import copy_tokenizer
+from fivefold.checkpoint.save_load import LATEST, follow_latest, read_state
+from fivefold.checkpoint.state_shapes import check_shapes, expected_tensors
 
 PREPARED_TOKENIZER = "tokenizer"  # where `fivefold prepare --chat` keeps a copy of its tokenizer files
 

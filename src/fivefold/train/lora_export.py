@@ -1,4 +1,4 @@
-"""A LoRA checkpoint (adapters, no base: train/lora_base.py) out of fivefold, three ways:
+"""A LoRA checkpoint (adapters, no base: checkpoint/lora_base.py) out of fivefold, three ways:
 
 - `write_peft_folder`: a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`
   under PEFT's names, models/hf_peft.py) that `peft.PeftModel.from_pretrained(base, folder)` loads
@@ -25,7 +25,7 @@ from fivefold.config import ConfigError, ModelConfig
 from fivefold.config.schema import LoraConfig
 from fivefold.models.hf_peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from fivefold.models.lora import is_adapter
-from fivefold.train.checkpoint import read_tensors
+from fivefold.checkpoint.save_load import read_tensors
 
 
 def lora_of(state: dict) -> LoraConfig | None:
@@ -55,7 +55,7 @@ def _checked_base(path: Path, state: dict, cfg: ModelConfig) -> None:
     """One sentence when the base the adapters were trained on is not the one that would be read now."""
     from fivefold.config import Config
     from fivefold.config.schema import TrainConfig
-    from fivefold.train.lora_base import base_fingerprint, same_base
+    from fivefold.checkpoint.lora_base import base_fingerprint, same_base
 
     then = state.get("lora_base", {})
     if "seed" in then:
@@ -101,8 +101,8 @@ def merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lora: LoraConfi
 
 def _adapters(path: Path, cfg: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
     """The checkpoint's model tensors (adapters and persistent buffers: small), checked against the model."""
-    from fivefold.train import sharded_io
-    from fivefold.train.state_shapes import check_shapes, expected_tensors
+    from fivefold.checkpoint import sharded_io
+    from fivefold.checkpoint.state_shapes import check_shapes, expected_tensors
 
     check_shapes(path, sharded_io.shapes(path), expected_tensors(cfg, with_optimizer=False, lora=lora), "model")
     return read_tensors(path)
@@ -156,7 +156,7 @@ def write_merged_folder(path: Path, state: dict, cfg: ModelConfig, dst, max_shar
     from fivefold.models import build_meta_model
     from fivefold.models.hf_peft import adapted_weight
     from fivefold.models.hf_stream import write_hf_folder
-    from fivefold.train.state_shapes import expected_shapes
+    from fivefold.checkpoint.state_shapes import expected_shapes
 
     lora = lora_of(state)
     tensors = _adapters(path, cfg, lora)
@@ -182,7 +182,7 @@ def adapted_model(path: Path, state: dict, cfg: ModelConfig) -> torch.nn.Module:
     from fivefold.models import build_meta_model
     from fivefold.models.hf import model_from_tensors
     from fivefold.models.lora import add_adapters
-    from fivefold.train.state_shapes import expected_shapes
+    from fivefold.checkpoint.state_shapes import expected_shapes
 
     lora = lora_of(state)
     tensors = _adapters(path, cfg, lora)

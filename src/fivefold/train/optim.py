@@ -104,7 +104,7 @@ def state_keys(optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> tuple[
     """The state tensors `optimizer` keeps for `tensor` (what checkpoints save)."""
     from fivefold.train.muon import Muon
 
-    from fivefold.train.resume_optimizer import STATE_KEYS
+    from fivefold.checkpoint.resume_optimizer import STATE_KEYS
 
     owner = optimizer.owner(tensor) if isinstance(optimizer, Chained) else optimizer
     return STATE_KEYS["muon" if isinstance(owner, Muon) else "adamw"]

@@ -6,7 +6,7 @@ rank that receives SIGTERM, SIGUSR1 or SIGINT only raises a flag; at each step b
 all-reduce their flags (one scalar, so a signal that reached one rank stops all of them at the
 same step, and no rank saves alone or waits for a peer that already left), save the checkpoint of
 that step and exit with EXIT_CODE. A signal that arrives during a save lets the save finish (the
-atomic rename in train/checkpoint.py means an unfinished save never touches the previous one).
+atomic rename in checkpoint/save_load.py means an unfinished save never touches the previous one).
 If the step and the save do not end within `checkpoint.stop_grace_s` of the signal, the rank
 exits anyway: the last complete checkpoint is what the next `resume = auto` reads.
 """

@@ -4,7 +4,7 @@ restarted at step 1 over it.
 Restarting over an earlier run silently mixes two runs: metrics.jsonl reads ...29, 30, 1, 2, its
 first save moves `latest` back to step 2 (so a later `checkpoint.resume = auto` continues the wrong
 run), and pruning deletes the earlier run's checkpoints. `checkpoint.resume = auto` continues from
-the folder's newest whole checkpoint (train/checkpoint.py resolve); here, the other cases are one
+the folder's newest whole checkpoint (checkpoint/save_load.py resolve); here, the other cases are one
 sentence naming the key that decides.
 """
 

@@ -25,13 +25,15 @@ from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
 from fivefold.plan.model_stats import model_stats
 from fivefold.runtime import Runtime, init_process_group, runtime_from_env
-from fivefold.train import checkpoint, export, faults, folder_lock, hangs, observe, preemption
-from fivefold.train.checkpoint_space import space_warning
-from fivefold.train.data import load_training_data
+from fivefold.train import export, faults, hangs, observe, preemption
+from fivefold.checkpoint import save_load as checkpoint
+from fivefold.checkpoint import folder_lock
+from fivefold.checkpoint.space import space_warning
+from fivefold.data.batches import load_training_data
 from fivefold.train.metrics import DeadExpertWatch, MetricsWriter, NonFiniteSteps, cuda_memory, peak_flops
-from fivefold.train.mixture import GlobalBatches
+from fivefold.data.mixture import GlobalBatches
 from fivefold.train.optim import build_optimizer, lr_multiplier, lr_scheduler, muon_tensors
-from fivefold.train.prefetch import BatchPrefetcher
+from fivefold.data.prefetch import BatchPrefetcher
 from fivefold.train.startup import StartupPhases, describe_data, model_phase
 from fivefold.config.validate import ignored_note
 from fivefold.config.validate_data import check_data_is_set
@@ -67,7 +69,7 @@ def setup(cfg: Config, rt: Runtime | None = None) -> tuple[Runtime, Parallelized
     rt = rt or runtime_from_env()
     validate(cfg, rt.world_size)
     check_supported(cfg)
-    if rt.is_main:  # one job per folder (train/folder_lock.py), refused before any process group
+    if rt.is_main:  # one job per folder (checkpoint/folder_lock.py), refused before any process group
         folder_lock.hold_run_folders(cfg)
     init_process_group(rt, cfg.parallel.timeout_s, cfg.parallel.backend)
     dims = ParallelDims.from_config(cfg.parallel)

@@ -42,7 +42,7 @@ def local_positions(rank: int, cp: int, local_len: int, device=None) -> torch.Te
 @dataclass
 class DocumentWindows:
     """Training windows (batch, seq_len+1) with each token's document id and, when RoPE restarts
-    per document, its position in its document (`data.document_mask`, train/data.py). It moves and
+    per document, its position in its document (`data.document_mask`, data/batches.py). It moves and
     splits along the batch as a tensor of windows does, so batches of either kind travel alike."""
 
     tokens: torch.Tensor

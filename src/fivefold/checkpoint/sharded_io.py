@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from fivefold.config import ConfigError
-from fivefold.train.checkpoint_bounds import check_metadata
+from fivefold.checkpoint.bounds import check_metadata
 
 
 @dataclass

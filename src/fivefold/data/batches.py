@@ -33,10 +33,10 @@ from fivefold.config.tokenizer_file import read_tokenizer
 from fivefold.config.validate_data import check_documents, parse_mix
 from fivefold.models.documents import document_positions
 from fivefold.parallel.context.apply import DocumentWindows
-from fivefold.train.mixture import GlobalBatches
-from fivefold.train.permutation import permute
-from fivefold.train.readers import SUFFIXES, file_documents, folder_files
-from fivefold.train.token_shards import is_prepared, prepared_splits
+from fivefold.data.mixture import GlobalBatches
+from fivefold.data.permutation import permute
+from fivefold.data.readers import SUFFIXES, file_documents, folder_files
+from fivefold.data.token_shards import is_prepared, prepared_splits
 
 
 class ByteTokenizer:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fivefold.config import Config
 from fivefold.plan.model_stats import model_stats
-from fivefold.train.resume_optimizer import STATE_KEYS
+from fivefold.checkpoint.resume_optimizer import STATE_KEYS
 
 FP32 = 4
 MOST_PER_PARAMETER = FP32 * (1 + max(len(keys) for keys in STATE_KEYS.values()))  # AdamW's 12
@@ -35,7 +35,7 @@ def checkpoint_elements(cfg: Config) -> dict[str, int]:
     out = {"weights": 0, **{name: 0 for name in STATE_KEYS}}
     for name, param in model.named_parameters():  # a tied matrix once, as the checkpoint holds it
         if cfg.lora.rank and not is_adapter(name):
-            continue  # a LoRA checkpoint holds no frozen base (train/lora_base.py)
+            continue  # a LoRA checkpoint holds no frozen base (checkpoint/lora_base.py)
         optimizer = settings[name].optimizer
         out["weights"] += param.numel()
         out[optimizer] += param.numel() * len(STATE_KEYS[optimizer])

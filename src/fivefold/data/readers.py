@@ -179,7 +179,7 @@ def _line_number(path: str, offset: int) -> int:
     return lines
 
 
-# The fields a conversation comes in (train/prepare_chat.py reads them with --chat).
+# The fields a conversation comes in (data/prepare_chat.py reads them with --chat).
 CONVERSATION_FIELDS = ("messages", "prompt")
 
 

@@ -23,7 +23,7 @@ def expected_tensors(cfg_model, with_optimizer: bool, train=None, lora=None) -> 
     their optimizer state, and the persistent buffers."""
     from fivefold.models import build_meta_model
     from fivefold.models.lora import is_adapter
-    from fivefold.train.resume_optimizer import STATE_KEYS, optimizers_by_name
+    from fivefold.checkpoint.resume_optimizer import STATE_KEYS, optimizers_by_name
 
     model = build_meta_model(cfg_model, lora)
     shapes = expected_shapes(model)

@@ -108,7 +108,7 @@ def _read(fd: int) -> str:
 def hold_run_folders(cfg) -> None:
     """Rank 0, before any process group: lock the run folder and, when checkpoints are written or
     read there, the checkpoint root; a takeover's warning goes to stderr."""
-    from fivefold.train.checkpoint import checkpoint_root
+    from fivefold.checkpoint.save_load import checkpoint_root
 
     folders = [(Path(cfg.log.dir), "log.dir")] if cfg.log.dir else []
     root = checkpoint_root(cfg)

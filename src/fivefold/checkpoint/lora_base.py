@@ -1,7 +1,7 @@
 """What a LoRA checkpoint says of the base it was trained on, and the check on resume.
 
 A LoRA checkpoint holds the adapters, their optimizer state and the persistent buffers, not the
-frozen base (train/state_boxes.py): a resumed run reads the base again from where the first run
+frozen base (checkpoint/state_boxes.py): a resumed run reads the base again from where the first run
 did, the Hugging Face folder of `model.init_from` or the seeded initialisation of `train.seed`.
 So state.json records that source, and a resume refuses, in one sentence, a base that differs:
 another folder's files (their sizes and a SHA-256 of their safetensors headers, which name every

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fivefold.train.resume_checks import BEFORE_THE_KEY
+from fivefold.checkpoint.resume_checks import BEFORE_THE_KEY
 
 STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "muon": ("momentum_buffer",)}
 

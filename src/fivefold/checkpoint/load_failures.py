@@ -1,5 +1,5 @@
 """A checkpoint's small files (state.json, `latest`) that the storage will not read, in the words of
-the file boundary (config/file_errors.py), for train/checkpoint.py's loads: an I/O error or a denied
+the file boundary (config/file_errors.py), for checkpoint/save_load.py's loads: an I/O error or a denied
 permission is said as what it is, with its fix, not as the library's `[Errno 5] ...: 'PATH'` nor as
 a corrupt checkpoint (the file may be whole, and a retry or a permission may be all it needs).
 """

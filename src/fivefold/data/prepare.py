@@ -32,9 +32,9 @@ import numpy as np
 from fivefold.config import ConfigError
 from fivefold.config.file_errors import need_output_folder, os_problem, verb
 from fivefold.config.tokenizer_file import parse_tokenizer, read_tokenizer, tokenizer_bytes
-from fivefold.train.readers import list_files, plan_units, unit_texts
+from fivefold.data.readers import list_files, plan_units, unit_texts
 from fivefold.config.manifest import FORMAT
-from fivefold.train.token_shards import DOCUMENTS, MANIFEST
+from fivefold.data.token_shards import DOCUMENTS, MANIFEST
 
 UNIT_BYTES = 32 << 20
 PLAN = ".plan.json"  # an unfinished prepare: what it is making (removed when the manifest is written)
@@ -119,7 +119,7 @@ def _worker_init() -> None:
 def _plan(sources: list[str], tokenizer: str, field: str, unit_bytes: int, chat=None) -> dict:
     files = [p.resolve() for p in list_files(sources)]
     if chat is not None:
-        from fivefold.train.prepare_chat import check_sources
+        from fivefold.data.prepare_chat import check_sources
 
         check_sources(files)
     identity = tokenizer_identity(tokenizer)
@@ -181,7 +181,7 @@ def _finished(out: Path, index: int, dtype: str, chat) -> tuple[int, int, dict] 
         return None
     stats = {}
     if chat is not None:
-        from fivefold.train.prepare_chat import finished_stats
+        from fivefold.data.prepare_chat import finished_stats
 
         if (stats := finished_stats(out, index)) is None:
             return None
@@ -204,7 +204,7 @@ def _run_units(out: Path, plan: dict, todo: list[int], workers: int, advance, ch
         args = [(plan["units"][i], i, str(out), plan["tokenizer_path"], plan["dtype"], plan["text_field"])
                 for i in todo]
     else:
-        from fivefold.train import prepare_chat
+        from fivefold.data import prepare_chat
 
         work = prepare_chat.pack_unit
         args = [(plan["units"][i], i, str(out), plan["dtype"], chat) for i in todo]
@@ -307,12 +307,12 @@ def _prepare(sources, tokenizer: str, folder: Path, workers, text_field: str, un
     manifest.update(plan_sha256=_plan_digest(plan), tokens=sum(c[0] for c in ordered),
                     documents=sum(c[1] for c in ordered), shards=shards)
     if chat is not None:
-        from fivefold.train.prepare_chat import manifest_fields
+        from fivefold.data.prepare_chat import manifest_fields
 
         manifest["chat"] = manifest_fields(plan, [c[2] for c in ordered])
         # The tokenizer and its chat template travel with the data: a run, its export and
         # `fivefold generate --chat` find them here (train/export.py data_tokenizer).
-        from fivefold.train.chat_template import copy_tokenizer
+        from fivefold.data.chat_template import copy_tokenizer
 
         copy_tokenizer(Path(tokenizer), folder / "tokenizer")
     _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -328,7 +328,7 @@ def summary(manifest: dict, out: str, seconds: float) -> str:
     rate = f", {manifest['tokens'] / seconds:,.0f} tokens/s" if seconds > 0 else ""
     chat = ""
     if "chat" in manifest:
-        from fivefold.train.prepare_chat import summary_part
+        from fivefold.data.prepare_chat import summary_part
 
         chat = summary_part(manifest)
     return (f"prepared {out}: {manifest['tokens']:,} tokens ({manifest['dtype']}), {manifest['documents']:,} "

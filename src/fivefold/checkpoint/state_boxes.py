@@ -1,5 +1,5 @@
 """Where this rank's training state lies inside the whole tensors: the boxes a sharded checkpoint
-writes and reads (train/sharded_io.py), for every layout, with no communication.
+writes and reads (checkpoint/sharded_io.py), for every layout, with no communication.
 
 Names are single-device names: 'model/<name>' for weights and persistent buffers,
 'exp_avg/<name>' and 'exp_avg_sq/<name>' for AdamW's moments, 'momentum_buffer/<name>' for
@@ -26,7 +26,7 @@ from torch import nn
 from fivefold.parallel.grad_norm import local_tensor
 from fivefold.parallel.pieces import named_params, persistent_buffers, piece_origin
 from fivefold.torch_internals import is_traceable_wrapper_subclass
-from fivefold.train.sharded_io import Pieces
+from fivefold.checkpoint.sharded_io import Pieces
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments, saved under these names
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from fivefold.config import ConfigError
-from fivefold.train.chat_template import ROLES, Renderer, Template, load_template, transformers_module
-from fivefold.train.prepare import _shard_names, tokenizer_identity
-from fivefold.train.readers import BATCH_ROWS, Piece, _line_number, _not_utf8, _open_parquet, _read_range
+from fivefold.data.chat_template import ROLES, Renderer, Template, load_template, transformers_module
+from fivefold.data.prepare import _shard_names, tokenizer_identity
+from fivefold.data.readers import BATCH_ROWS, Piece, _line_number, _not_utf8, _open_parquet, _read_range
 
 FLUSH_TOKENS = 1 << 20  # tokens gathered before a write: bounded memory, few system calls
 

@@ -1,6 +1,6 @@
 """DCP's metadata of a checkpoint checked against the folder before anything is read or allocated.
 
-The `.metadata` pickle (read through an allow-list: train/sharded_io.py) says where every stored
+The `.metadata` pickle (read through an allow-list: checkpoint/sharded_io.py) says where every stored
 piece lies: a file name, an offset and a length, plus each tensor's whole shape. DCP opens the
 file it names relative to the checkpoint, and the loader allocates each tensor at the shape it is
 given. A crafted metadata could therefore send a load to a file outside the checkpoint, or to bytes

@@ -1,6 +1,6 @@
 """A checkpoint save that the storage refused, as one sentence: which checkpoint, what the disk
 said, the fix, and that the previous checkpoint is untouched (a save only becomes visible by its
-final rename, and `latest` moves after it: train/checkpoint.py).
+final rename, and `latest` moves after it: checkpoint/save_load.py).
 
 DCP gathers every rank's error of a collective save into one CheckpointException; the first
 OSError inside it is the storage's answer, whichever rank met it.

@@ -65,7 +65,7 @@ class GlobalBatches:
     """Step k's global batch (global_batch windows of seq_len+1 tokens) from one or more splits."""
 
     def __init__(self, splits: list, names: list[str], weights: list[float], global_batch: int, seed: int):
-        from fivefold.train.data import GlobalBatchSampler
+        from fivefold.data.batches import GlobalBatchSampler
 
         self.splits, self.names, self.weights = splits, names, weights
         self.global_batch, self.seed = global_batch, seed

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fivefold.config import ConfigError
 from fivefold.config.confined import outside
-from fivefold.train import checkpoint_manifest
+from fivefold.checkpoint import manifest as checkpoint_manifest
 
 LATEST = "latest"
 PREFIX = "step_"

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder `step_NNNNNNNN/` under the checkpoint root:
   .metadata, __R_0.distcp  torch.distributed.checkpoint: each rank writes the pieces of the model,
-                           the AdamW moments and its RNG state that it holds (train/sharded_io.py),
+                           the AdamW moments and its RNG state that it holds (checkpoint/sharded_io.py),
                            under single-device names and whole shapes ('model/<name>',
                            'exp_avg/<name>', 'exp_avg_sq/<name>', Muon's
                            'momentum_buffer/<name>', 'rng/cpu/<rank>')
@@ -10,7 +10,7 @@ A checkpoint is a folder `step_NNNNNNNN/` under the checkpoint root:
   config.toml              the whole config that produced it (for people; not read back)
   .fivefold-checkpoint     the marker: only folders holding it are ever deleted (pruning, cleanup)
 No rank ever holds a whole tensor it does not train with; any layout reads any checkpoint by
-asking for its own pieces (train/state_boxes.py). Nothing is unpickled on load but DCP's metadata,
+asking for its own pieces (checkpoint/state_boxes.py). Nothing is unpickled on load but DCP's metadata,
 through an allow-list of its own classes; tensors load with weights_only.
 
 Atomicity: all ranks write into a hidden temporary folder; rank 0 adds state.json, renames the
@@ -38,13 +38,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fivefold.config import Config, ConfigError, to_toml
 from fivefold.config.confined import inside, outside
 from fivefold.config.file_errors import guarded
-from fivefold.train import checkpoint_manifest, resume_checks, resume_optimizer, sharded_io
-from fivefold.train.load_failures import EARLIER, state_problem, unreadable
-from fivefold.train.lora_base import check_lora_resume, lora_state
-from fivefold.train.save_failures import save_problem, storage_error
+from fivefold.checkpoint import manifest as checkpoint_manifest
+from fivefold.checkpoint import resume_checks
+from fivefold.checkpoint import resume_optimizer
+from fivefold.checkpoint import sharded_io
+from fivefold.checkpoint.load_failures import EARLIER, state_problem, unreadable
+from fivefold.checkpoint.lora_base import check_lora_resume, lora_state
+from fivefold.checkpoint.save_failures import save_problem, storage_error
 from fivefold.train.faults import restart_count
 from fivefold.train.rerun import refuse_restart_over
-from fivefold.train.step_folders import LATEST, MARKER, PREFIX, foreign, newer_latest, prune, remove_ours
+from fivefold.checkpoint.step_folders import LATEST, MARKER, PREFIX, foreign, newer_latest, prune, remove_ours
 
 FORMAT = 2  # 1: whole tensors in safetensors; 2: DCP shards
 
@@ -100,7 +103,7 @@ def save(cfg: Config, step: int, par, optimizer, scheduler, sampler, is_main: bo
 
     Each rank writes only its own pieces. With checkpoint.async_save, the pieces are copied to
     host memory and written by a background thread while training continues."""
-    from fivefold.train.state_boxes import StateBoxes, optimizer_step
+    from fivefold.checkpoint.state_boxes import StateBoxes, optimizer_step
 
     root = checkpoint_root(cfg)
     wait_for_save()  # one write at a time, in step order
@@ -206,7 +209,7 @@ def _write_files(cfg: Config, root: Path, tmp: Path, final: Path, tensors: dict,
 
 def resolve(cfg: Config) -> Path | None:
     """The checkpoint folder to resume from, or None for a fresh start. Collective once a process
-    group exists (every rank verifies its share of the files: train/checkpoint_manifest.py).
+    group exists (every rank verifies its share of the files: checkpoint/manifest.py).
 
     resume='auto' takes the newest whole checkpoint under the checkpoint root, if any: a damaged
     newer one is skipped with a warning naming it. A path names a checkpoint folder (refused, in one
@@ -307,7 +310,7 @@ def read_state(path: Path) -> dict:
 def read_tensors(path: Path, cfg_model=None, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """Whole tensors of a checkpoint whose keys start with `prefix` (the prefix dropped), in one
     process (conversion, inspection, tests); checked against `cfg_model` first when given."""
-    from fivefold.train.state_shapes import check_shapes, expected_tensors
+    from fivefold.checkpoint.state_shapes import check_shapes, expected_tensors
 
     stored, dtypes = sharded_io.shapes(path), sharded_io.dtypes(path)
     if cfg_model is not None:
@@ -321,8 +324,8 @@ def read_tensors(path: Path, cfg_model=None, prefix: str = "model/") -> dict[str
 def load(cfg: Config, path: Path, par, optimizer, scheduler, sampler) -> int:
     """Restore everything from checkpoint `path`; returns the step to continue from.
     Collective: every rank reads the pieces its own layout needs."""
-    from fivefold.train.state_boxes import StateBoxes
-    from fivefold.train.state_shapes import check_shapes, expected_tensors
+    from fivefold.checkpoint.state_boxes import StateBoxes
+    from fivefold.checkpoint.state_shapes import check_shapes, expected_tensors
 
     state = read_state(path)
     resume_checks.check_model(path, state, cfg)
