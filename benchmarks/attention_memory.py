@@ -8,7 +8,7 @@ Variants, each the preset's model (fp32, seed 0) on one sequence of random token
 - plain: model.attention_sinks=false, model.sliding_window=0 (full causal attention everywhere,
   PyTorch's fused SDPA): "the same model without them";
 - blockwise: the preset (16-token window in layers 0 and 2, sinks in every layer), attention by
-  models/masked_attention.py as it runs now;
+  models/attention/masked.py as it runs now;
 - quadratic: the preset with the attention it replaced (fivefold 7c23664: fp32 (heads, seq, seq)
   scores with sinks, a (seq, seq) boolean mask without), patched in for comparison;
 - blockwise+documents, quadratic+documents: the same two with the sequence packed from 4
@@ -67,10 +67,10 @@ def _model(variant: str):
 
 
 def quadratic_attention(q, k, v, window=0, documents=None, sinks=None):
-    """models/masked_attention.py as of 7c23664 (SDPA with a (seq, seq) mask; fp32 scores with sinks)."""
+    """models/attention/masked.py as of 7c23664 (SDPA with a (seq, seq) mask; fp32 scores with sinks)."""
     import torch.nn.functional as F
 
-    from fivefold.models.masked_attention import allowed_keys, sink_attention
+    from fivefold.models.attention.masked import allowed_keys, sink_attention
 
     mask = allowed_keys(q.shape[2], q.device, window, documents)
     if sinks is None:
@@ -81,7 +81,7 @@ def quadratic_attention(q, k, v, window=0, documents=None, sinks=None):
 def _batch(variant: str, cfg, batch: int, seq: int):
     import torch
 
-    from fivefold.models.documents import document_positions
+    from fivefold.models.attention.documents import document_positions
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
@@ -151,7 +151,7 @@ def measure_memory(seq: int) -> list[dict]:
 def measure_time(seq: int, batch: int, steps: int, repeats: int) -> dict[str, float]:
     """Median seconds per forward + backward of each variant, alternating in this process."""
     import fivefold.models.decoder as decoder
-    from fivefold.models.masked_attention import masked_attention
+    from fivefold.models.attention.masked import masked_attention
 
     runs = {}
     for variant in VARIANTS:

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/lean_ops.py [--tokens 1024] [--dim 256] [--ffn 768]
         [--vocab 256] [--calls 60]
 
-Forward and backward of each op (models/rms_norm.py, models/swiglu.py, models/cross_entropy.py)
+Forward and backward of each op (models/rms_norm.py, models/swiglu.py, models/loss/cross_entropy.py)
 and of PyTorch's composite of the same math, called alternately `--calls` times each on the same
 inputs; the median CPU time of each (one thread: the process's CPU time, so a busy machine's
 waiting is not counted). tests/test_lean_ops.py and tests/test_chunked_loss.py check the math.
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fivefold.models.cross_entropy import chunked_cross_entropy
+from fivefold.models.loss.cross_entropy import chunked_cross_entropy
 from fivefold.models.rms_norm import rms_norm
 from fivefold.models.swiglu import swiglu
 

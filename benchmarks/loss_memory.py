@@ -1,6 +1,6 @@
 """Peak host memory of the language-model loss at a 32K vocabulary: plain F.cross_entropy on fp32
-logits, the chunked loss of logits (models/cross_entropy.py), and the output layer fused with its
-loss (models/linear_cross_entropy.py, what training runs), which never makes the logits.
+logits, the chunked loss of logits (models/loss/cross_entropy.py), and the output layer fused with its
+loss (models/loss/linear_cross_entropy.py, what training runs), which never makes the logits.
 
 Each measurement runs in a fresh subprocess (`--one plain|chunked`), so no allocator state carries
 over. It holds the hidden states h (tokens, dim) and the output weight W (vocab, dim), resets the
@@ -67,7 +67,7 @@ def measure(which: str, dtype_name: str, tokens: int, vocab: int, dim: int) -> d
     import torch
     import torch.nn.functional as F
 
-    from fivefold.models.linear_cross_entropy import linear_cross_entropy
+    from fivefold.models.loss.linear_cross_entropy import linear_cross_entropy
     from fivefold.parallel.loss import LMLoss
 
     torch.manual_seed(0)

@@ -75,7 +75,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "baseline_rss_bytes": 
 def hf_rows(target_gb: float) -> list[dict]:
     """A random bf16 Llama of about `target_gb`, written tensor by tensor, converted both ways."""
     sys.path.insert(0, str(ROOT / "src"))
-    from fivefold.models.hf_stream import make_random_hf_llama
+    from fivefold.models.hf.stream import make_random_hf_llama
 
     hidden, ffn, vocab = 2048, 8192, 32768
     per_layer = 4 * hidden * hidden + 3 * hidden * ffn

@@ -115,7 +115,7 @@ def make_chat_demo_inputs(root: Path) -> Path:
     conversations. Those configs name these paths relative to the folder they run in."""
     from fivefold.configure import load_config
     from fivefold.models import build_model
-    from fivefold.models.hf import save_hf
+    from fivefold.models.hf.interop import save_hf
     from fivefold.tools import chat_demo
     from fivefold.data.prepare import prepare
     from fivefold.data.prepare_chat import chat_settings

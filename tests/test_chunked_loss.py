@@ -1,4 +1,4 @@
-"""The chunked cross-entropy (models/cross_entropy.py, parallel/loss.py) equals F.cross_entropy on
+"""The chunked cross-entropy (models/loss/cross_entropy.py, parallel/loss.py) equals F.cross_entropy on
 fp32 logits: loss and gradient, fp32 and bf16, mean and loss-mask sum, with ignored positions, on
 one process and vocabulary-parallel over 2 tp ranks; and the loss's extra peak memory stays a
 fraction of the whole fp32 logits (benchmarks/loss_memory.py, in a subprocess)."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fivefold.models.cross_entropy import IGNORE, chunked_cross_entropy
+from fivefold.models.loss.cross_entropy import IGNORE, chunked_cross_entropy
 from fivefold.parallel.loss import LMLoss, cross_entropy, lm_loss
 from ranks import run_on_ranks
 

@@ -18,7 +18,7 @@ from attention_inputs import attention_inputs
 from ranks import run_on_ranks
 from window_ops import CASES as WINDOW_CASES, assert_window_ops_exact, window_op_errors
 
-from fivefold.models import attention_blocks
+from fivefold.models.attention import blocks as attention_blocks
 from fivefold.parallel.context.apply import SequenceSplit, local_positions
 
 TOL = 1e-5  # fp32
@@ -141,7 +141,7 @@ def test_blocks_outside_the_window_are_skipped_not_computed(cp2_spawn, cp4_spawn
     # Some steps compute nothing at all: at cp4 with a 4-token window, rank 0 (chunks 0 and 7)
     # sees only its own chunks and chunk 6 (rank 1): the steps with ranks 2 and 3 are skipped whole.
     from fivefold.parallel.context.ring import ring_step_blocks
-    from fivefold.models.attention_windows import trim_to_window
+    from fivefold.models.attention.windows import trim_to_window
 
     for src, computed in ((0, 2), (3, 0), (2, 0), (1, 1)):
         kept = [b for b in ring_step_blocks(0, src, 4, 4, 4) if trim_to_window(b, 4)[0] is not None]
@@ -151,7 +151,7 @@ def test_blocks_outside_the_window_are_skipped_not_computed(cp2_spawn, cp4_spawn
 def test_window_trim_keeps_exactly_the_visible_pairs():
     """For blocks at every offset and windows of every size, the trimmed block with its mask
     shows exactly the pairs the window allows, and every pair it cuts off is hidden."""
-    from fivefold.models.attention_windows import Block, trim_to_window
+    from fivefold.models.attention.windows import Block, trim_to_window
 
     for window in range(1, 12):
         for n_rows, n_cols in ((4, 4), (3, 5), (6, 2)):
@@ -181,7 +181,7 @@ def test_window_trim_keeps_exactly_the_visible_pairs():
 def test_window_tiles_cover_each_visible_pair_once(window, chunk):
     """The unmasked tiles of a chunk-pair block (same chunk, the chunks before it) show each
     window-visible pair exactly once and nothing else, mirrored tiles read as their mask says."""
-    from fivefold.models.attention_windows import Block, window_tiles
+    from fivefold.models.attention.windows import Block, window_tiles
 
     q_index = 5
     for k_index in range(q_index + 1):

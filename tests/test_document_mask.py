@@ -19,8 +19,8 @@ from attention_inputs import attention_inputs
 
 from fivefold.config import ConfigError, DataConfig
 from fivefold.models.decoder import CausalAttention
-from fivefold.models.documents import document_positions, flex_document_attention
-from fivefold.models import attention_blocks
+from fivefold.models.attention.documents import document_positions, flex_document_attention
+from fivefold.models.attention import blocks as attention_blocks
 
 TOL = 1e-5  # fp32
 METHODS = ("ring", "allgather", "ulysses")

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from fivefold.models.hf_stream import make_random_hf_llama
+from fivefold.models.hf.stream import make_random_hf_llama
 
 resource = pytest.importorskip("resource")  # POSIX: the file-size limit
 

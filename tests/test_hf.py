@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import fivefold  # noqa: E402
 from fivefold.config import ConfigError, ModelConfig, MoEConfig  # noqa: E402
 from fivefold.models import build_model  # noqa: E402
-from fivefold.models.hf import config_from_hf, hf_config_from, save_hf  # noqa: E402
+from fivefold.models.hf.interop import config_from_hf, hf_config_from, save_hf  # noqa: E402
 
 # head_dim 16 with theta 1e4 and original context 64 puts RoPE frequencies in all three llama3
 # regimes (kept, interpolated, slowed), and SEQ > 64 reaches positions past the original context.

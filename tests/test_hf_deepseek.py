@@ -26,7 +26,7 @@ from fivefold.cli import main as cli  # noqa: E402
 from fivefold.config import ConfigError  # noqa: E402
 from fivefold.configure import load_config, validate  # noqa: E402
 from fivefold.models import build_meta_model, build_model, initial_values  # noqa: E402
-from fivefold.models.hf import config_from_hf, hf_config_from, load_pretrained, save_hf  # noqa: E402
+from fivefold.models.hf.interop import config_from_hf, hf_config_from, load_pretrained, save_hf  # noqa: E402
 from fivefold.models.registry import family_stats  # noqa: E402
 
 VOCAB = 96

@@ -18,8 +18,8 @@ from fivefold.cli import main as cli  # noqa: E402
 from fivefold.config import ConfigError  # noqa: E402
 from fivefold.configure import load_config  # noqa: E402
 from fivefold.models import build_model  # noqa: E402
-from fivefold.models.hf import config_from_hf, hf_config_from, load_pretrained, save_hf  # noqa: E402
-from fivefold.models.moe_layout import is_moe_layer  # noqa: E402
+from fivefold.models.hf.interop import config_from_hf, hf_config_from, load_pretrained, save_hf  # noqa: E402
+from fivefold.models.moe.layout import is_moe_layer  # noqa: E402
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

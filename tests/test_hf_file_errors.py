@@ -13,8 +13,8 @@ from file_faults import refuse_reads
 
 from fivefold.cli import main
 from fivefold.config.file_errors import FileProblem
-from fivefold.models import hf_stream
-from fivefold.models.hf_stream import INDEX, HFBoxes, make_random_hf_llama
+from fivefold.models.hf import stream as hf_stream
+from fivefold.models.hf.stream import INDEX, HFBoxes, make_random_hf_llama
 from fivefold.tools.convert import convert
 from fivefold.train import export
 

@@ -22,7 +22,7 @@ from fivefold.cli import main as cli  # noqa: E402
 from fivefold.config import ConfigError  # noqa: E402
 from fivefold.configure import load_config  # noqa: E402
 from fivefold.models import build_model  # noqa: E402
-from fivefold.models.hf import config_from_hf, hf_config_from, load_pretrained, model_from_tensors, save_hf  # noqa: E402
+from fivefold.models.hf.interop import config_from_hf, hf_config_from, load_pretrained, model_from_tensors, save_hf  # noqa: E402
 
 VOCAB, SEQ, WINDOW = 256, 40, 8  # the byte vocabulary of the built-in data; SEQ > WINDOW
 # head_dim 16 != hidden/heads = 8; experts narrower than the stream; layers 0, 2 slide, 1, 3 do not.
@@ -130,7 +130,7 @@ def test_convert_both_ways(hf_folder, tmp_path):
 
 def test_any_box_of_a_fused_tensor_reads_alone(hf_folder):
     """A rank reads slices of the experts (ep: some experts; any box: a stride into gate_up)."""
-    from fivefold.models.hf_stream import HFBoxes
+    from fivefold.models.hf.stream import HFBoxes
 
     reader = HFBoxes(hf_folder[0])
     for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
@@ -185,7 +185,7 @@ def mxfp4_folder(tmp_path_factory):
 def test_mxfp4_dequantises_every_code_and_scale_as_transformers(dtype):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from fivefold.models.mxfp4 import dequantise
+    from fivefold.models.hf.mxfp4 import dequantise
 
     # Every pair of E2M1 codes (a byte) at every exponent whose 6 is finite (2^-127 .. 2^125):
     # (253 experts, 3 rows, 16 groups, 16 bytes).
@@ -199,7 +199,7 @@ def test_mxfp4_dequantises_every_code_and_scale_as_transformers(dtype):
 
 
 def test_mxfp4_checkpoint_loads_as_transformers_loads_it(mxfp4_folder, capsys):
-    from fivefold.models.hf_stream import HFBoxes
+    from fivefold.models.hf.stream import HFBoxes
 
     folder, tensors = mxfp4_folder
     theirs = transformers.GptOssForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
@@ -287,7 +287,7 @@ def test_the_window_and_the_sinks_change_the_model(hf_folder):
 
 
 def test_documents_with_windows_and_sinks_are_separate_sequences():
-    from fivefold.models.documents import document_positions
+    from fivefold.models.attention.documents import document_positions
 
     cfg = load_config(None, {"model": {"preset": "tiny-gpt-oss"}}).model
     model = random_weights(build_model(cfg, seed=0), seed=5)
@@ -303,7 +303,7 @@ def test_documents_with_windows_and_sinks_are_separate_sequences():
 def test_a_window_without_sinks_is_the_sink_path_with_silent_sinks(window):
     """PyTorch's attention with the boolean mask (no sinks) against the plain sink path whose sinks
     take no share of the softmax: the same outputs and gradients, with documents too."""
-    from fivefold.models.masked_attention import allowed_keys, masked_attention, sink_attention
+    from fivefold.models.attention.masked import allowed_keys, masked_attention, sink_attention
 
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, heads, 12, 8, generator=gen).requires_grad_() for heads in (4, 2, 2))
@@ -320,7 +320,7 @@ def test_grouped_experts_with_biases_and_clamped_swiglu_equal_the_loop():
     """The grouped matmul path (with each row's expert bias) against one matmul per expert."""
     import functools
 
-    from fivefold.models.moe import clamped_swiglu, grouped_swiglu, grouped_mm_usable, looped_swiglu
+    from fivefold.models.moe.feed_forward import clamped_swiglu, grouped_swiglu, grouped_mm_usable, looped_swiglu
 
     gen = torch.Generator().manual_seed(0)
     counts, dim, hidden = [3, 0, 5, 2], 16, 8
@@ -403,7 +403,7 @@ def test_config_json_fivefold_cannot_read_yet(config, message):
 
 
 def test_keys_left_out_mean_what_transformers_says():
-    from fivefold.models.attention_layout import attention_window
+    from fivefold.models.attention.layout import attention_window
 
     config = {k: v for k, v in raw().items() if k not in (
         "head_dim", "rope_parameters", "layer_types", "sliding_window", "swiglu_limit", "swiglu_alpha",

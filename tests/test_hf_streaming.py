@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 from fivefold.config import ConfigError  # noqa: E402
 from fivefold.tools.convert import checkpoint_to_model, convert, hf_to_checkpoint  # noqa: E402
 from fivefold.models import build_meta_model, build_model  # noqa: E402
-from fivefold.models.hf import config_from_hf, hf_box_reader, load_pretrained, save_hf  # noqa: E402
+from fivefold.models.hf.interop import config_from_hf, hf_box_reader, load_pretrained, save_hf  # noqa: E402
 from fivefold.models.registry import model_spec  # noqa: E402
-from fivefold.models.hf_stream import HFBoxes, make_random_hf_llama  # noqa: E402
+from fivefold.models.hf.stream import HFBoxes, make_random_hf_llama  # noqa: E402
 from fivefold.checkpoint.save_load import read_tensors  # noqa: E402
 
 INDEX = "model.safetensors.index.json"

@@ -11,7 +11,7 @@ import pytest
 from file_faults import refuse_reads
 
 from fivefold.cli import main
-from fivefold.models.hf_stream import make_random_hf_llama
+from fivefold.models.hf.stream import make_random_hf_llama
 
 REDO = "download or convert the Hugging Face folder again"
 FOLDER = "pass a Hugging Face checkpoint folder (config.json + *.safetensors)"

@@ -1,4 +1,4 @@
-"""The output layer fused with its cross-entropy (models/linear_cross_entropy.py) equals F.linear then
+"""The output layer fused with its cross-entropy (models/loss/linear_cross_entropy.py) equals F.linear then
 F.cross_entropy on fp32 logits: the summed loss and the gradients of the hidden states and the
 weight, fp32 and bf16 (an fp32 weight under a bf16 computation, as autocast runs it), with ignored
 positions and ragged chunks, on one process and vocabulary-parallel over 2 ranks; the model returns
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fivefold.models.cross_entropy import IGNORE
-from fivefold.models.linear_cross_entropy import OutputLayer, linear_cross_entropy
+from fivefold.models.loss.cross_entropy import IGNORE
+from fivefold.models.loss.linear_cross_entropy import OutputLayer, linear_cross_entropy
 from ranks import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""LoRA ([lora], models/lora.py): adapters beside the targeted linear layers, the base frozen.
+"""LoRA ([lora], models/lora/adapters.py): adapters beside the targeted linear layers, the base frozen.
 
 One 2-rank spawn trains every layout (dp at zero 0/1/2/3, tp2, pp2 with 1f1b, zbv,
 interleaved_1f1b and dualpipev, cp2, an MoE with adapters on its experts at dp2·ep2 and at tp2, DeepSeek-V3's latent attention at tp2) and each
@@ -233,7 +233,7 @@ def _adapted_model(settings: dict):
     """A real single-device model of the settings with adapters, B drawn at random (B = 0 would
     hide a wrong B·A)."""
     from fivefold.models import build_model
-    from fivefold.models.lora import add_adapters, adapter_initial_values, is_adapter
+    from fivefold.models.lora.adapters import add_adapters, adapter_initial_values, is_adapter
 
     cfg = tiny_config(settings)
     model = build_model(cfg.model, cfg.train.seed)
@@ -308,7 +308,7 @@ def test_resume_on_one_process(runs, root):
 def test_the_checkpoint_holds_adapters_not_the_base(runs, root):
     """Every tensor saved is an adapter or its AdamW moment (or the RNG state): 8192 adapter
     elements three times, where the base alone is 90432."""
-    from fivefold.models.lora import is_adapter
+    from fivefold.models.lora.adapters import is_adapter
     from fivefold.checkpoint import sharded_io
 
     stored = sharded_io.shapes(f"{root}/step_00000002")
@@ -326,7 +326,7 @@ def test_folder_base_trains_as_one_process_and_resumes(runs, folder):
         assert_same_run(results["folder resumed tp2"], continued(want, 2), weight_atol=TP_WEIGHT_ATOL,
                         label=f"lora from a folder resumed under tp2 rank {rank}")
     initial = {name: t for name, t in want.weights.items() if "lora_" not in name}
-    from fivefold.models.hf import hf_box_reader
+    from fivefold.models.hf.interop import hf_box_reader
 
     read = hf_box_reader(folder)[1]
     for name, value in initial.items():  # the base stayed the folder's weights

@@ -1,4 +1,4 @@
-"""LoRA (models/lora.py) with the dimensions composed: one 4-rank spawn trains dp2·tp2 (zero 1),
+"""LoRA (models/lora/adapters.py) with the dimensions composed: one 4-rank spawn trains dp2·tp2 (zero 1),
 tp2·pp2 (1f1b), dp2·pp2 at zero 3 (FSDP2 shards the frozen base beside the adapters), cp2·tp2, an
 MoE with adapters on its experts at dp2·ep2·tp2 and HSDP (dp4, shards of 2), each equal to the
 single-process LoRA run under the harness rule (tests/layouts.py), the base bit for bit as it

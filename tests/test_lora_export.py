@@ -1,4 +1,4 @@
-"""LoRA out of fivefold (train/lora_export.py, models/hf_peft.py): a run fine-tuned from a
+"""LoRA out of fivefold (train/lora_export.py, models/hf/peft_names.py): a run fine-tuned from a
 transformers-made folder (`model.init_from`) exports a PEFT adapter folder (`checkpoint.export_hf`)
 that `peft` loads onto the transformers base, `fivefold convert --merge` writes the merged model
 that transformers loads, and `fivefold.load_pretrained` / `fivefold generate` read the LoRA
@@ -246,7 +246,7 @@ def test_what_peft_would_load_wrongly_is_refused_before_the_run():
     """DeepSeek-V3: its balancing bias moves during the run (a PEFT folder holds adapters only), and
     its dense and shared MLPs' gate_proj/up_proj/down_proj share the routed experts' names, which
     PEFT on transformers 5 moves onto the fused experts (measured: logits 0.77 off)."""
-    from fivefold.models.hf_peft import peft_names
+    from fivefold.models.hf.peft_names import peft_names
 
     cfg = load_config(None, {"model": DEEPSEEK_V3, "lora": {**LORA, "targets": "attention|experts"},
                              "checkpoint": {"dir": "unused", "export_hf": "unused-export"}})

@@ -1,4 +1,4 @@
-"""Single-device attention with windows, sinks and documents (models/masked_attention.py) runs
+"""Single-device attention with windows, sinks and documents (models/attention/masked.py) runs
 blockwise: equal to the quadratic implementation it replaced (SDPA with a (seq, seq) boolean mask
 without sinks, fp32 (heads, seq, seq) scores with them) in outputs and in the gradients of q, k, v
 and the sinks — fp32 within 1e-5, bf16 within bf16 rounding — and builds no (seq, seq) tensor in
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fivefold.models.documents import document_attention
-from fivefold.models.masked_attention import allowed_keys, attention_parts, masked_attention, sink_attention
+from fivefold.models.attention.documents import document_attention
+from fivefold.models.attention.masked import allowed_keys, attention_parts, masked_attention, sink_attention
 
 
 def quadratic_attention(q, k, v, window=0, documents=None, sinks=None):

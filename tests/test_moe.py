@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from fivefold.config import ModelConfig, MoEConfig
 from fivefold.models import build_model
-from fivefold.models import moe as moe_module
-from fivefold.models.loss_weight import micro_batch_weight
-from fivefold.models.moe import MoE, capacity_keep, looped_swiglu, moe_layers, sequence_aux_loss
+from fivefold.models.moe import feed_forward as moe_module
+from fivefold.models.loss.weight import micro_batch_weight
+from fivefold.models.moe.feed_forward import MoE, capacity_keep, looped_swiglu, moe_layers, sequence_aux_loss
 
 DIM, HIDDEN = 16, 24
 
@@ -307,7 +307,7 @@ def test_ignored_expert_is_warned_once_and_layers_are_reported(monkeypatch, caps
 
     from layouts import tiny_config
 
-    from fivefold.models.moe import Router
+    from fivefold.models.moe.feed_forward import Router
     from fivefold.train.metrics import tensorboard_scalars
     from fivefold.train.trainer import train
 
@@ -370,7 +370,7 @@ def test_added_losses_weigh_as_each_micro_batch(model):
     """Gradient accumulation: 4 micro-batches of 2 give the step of one batch of 8, the losses the model
     adds beside the LM loss included (the MoE auxiliary loss, multi-token prediction). They reach the
     gradients inside the model, so they must weigh 1/4 per micro-batch as the LM loss does
-    (models/loss_weight.py). Fixed bounds, not the harness's measured noise: that noise is measured by
+    (models/loss/weight.py). Fixed bounds, not the harness's measured noise: that noise is measured by
     changing the micro-batch split, the very thing under test."""
     from layouts import run_layout
 

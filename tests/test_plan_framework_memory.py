@@ -130,7 +130,7 @@ def test_only_fivefold_s_output_layer_keeps_no_logits():
     prank = pipeline_ranks(work.stats, layout, work.seq_len)[0]
     fused = rank_memory(work, layout, hw, FIVEFOLD_EAGER, prank, 0)
     kept = rank_memory(work, layout, hw, dataclasses.replace(FIVEFOLD_EAGER, fuses_output_loss=False), prank, 0)
-    # models/linear_cross_entropy.py: no bf16 logits (2 bytes x vocab per token) are kept; its
+    # models/loss/linear_cross_entropy.py: no bf16 logits (2 bytes x vocab per token) are kept; its
     # backward sums the output weight's gradient in fp32 instead (working memory)
     assert kept.activations - fused.activations == pytest.approx(work.seq_len * 2 * work.stats.vocab_size, rel=1e-3)
     assert fused.other - kept.other == pytest.approx(4 * work.stats.vocab_size * work.stats.dim)

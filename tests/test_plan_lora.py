@@ -30,7 +30,7 @@ from fivefold.plan.workload import workload_from_config
 ])
 def test_the_planned_adapters_are_the_built_models(preset, targets):
     from fivefold.models import build_meta_model
-    from fivefold.models.lora import is_adapter
+    from fivefold.models.lora.adapters import is_adapter
 
     cfg = load_config(None, ["--model.preset", preset, "--lora.rank", "4", "--lora.targets", targets])
     workload = workload_from_config(cfg)
@@ -51,7 +51,7 @@ def test_lora_model_flops_leave_out_the_frozen_base_weight_gradients(preset, tar
     and the planner's predicted one use that count."""
     from fivefold.models import build_meta_model
     from fivefold.models.block_weights import adapter_params_per_token
-    from fivefold.models.lora import is_adapter
+    from fivefold.models.lora.adapters import is_adapter
     from fivefold.train.trainer import train
 
     cfg = load_config(None, ["--model.preset", preset, "--lora.rank", "4", "--lora.targets", targets])
@@ -84,7 +84,7 @@ import json, sys, torch, torch.distributed as dist
 from fivefold.configure import load_config
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
-from fivefold.models.lora import adapter_initial_values
+from fivefold.models.lora.adapters import adapter_initial_values
 from fivefold.parallel.grad_norm import local_tensor
 from fivefold.parallel.parallelize import parallelize
 from fivefold.tools.rank_build import held_state_bytes
@@ -144,7 +144,7 @@ def test_the_adapters_keep_their_r_wide_intermediates():
     layer, 32 layers): without recomputation B keeps A x (r wide); with dropout A also keeps the
     dropped input and its mask; selective recomputation keeps A x as well; full, nothing.
     The frozen output layer keeps its input as the trained one does: fused with its loss
-    (models/linear_cross_entropy.py), it makes the logits again from it in backward."""
+    (models/loss/linear_cross_entropy.py), it makes the logits again from it in backward."""
     tokens, layers, r, bf16 = 4096, 32, 16, 2
     h, f = 4096, 14336
     assert _activations("none", r) - _activations("none", 0) == tokens * layers * 7 * r * bf16
@@ -188,7 +188,7 @@ def test_lora_reduces_and_steps_only_the_adapters_and_skips_the_base_weight_grad
     forward and input gradient, not the weight gradient: between 2/3 and all of full fine-tuning's
     compute (attention's core and the elementwise passes are unchanged)."""
     from fivefold.models import build_meta_model
-    from fivefold.models.lora import is_adapter
+    from fivefold.models.lora.adapters import is_adapter
 
     cfg = load_config(None, ["--model.preset", "llama3-8b", "--lora.rank", "16"])
     adapters = sum(p.numel() for n, p in build_meta_model(cfg.model, cfg.lora).named_parameters() if is_adapter(n))

@@ -169,7 +169,7 @@ def test_fivefold_recipe_last_rank_keeps_no_logits():
     # + the stage outputs 1f1b still holds for sending (three bf16 outputs, parallel/pipeline/stages.py)
     assert m_first.activations == pytest.approx(2 * (16 * layer * 4096 + rope) + 3 * 4096 * 4096 * 2)
     final_norm = (h * 2 + 4 + h * 2) * 4096
-    # The output layer fused with its loss (models/linear_cross_entropy.py) keeps its input (in
+    # The output layer fused with its loss (models/loss/linear_cross_entropy.py) keeps its input (in
     # final_norm), an fp32 log-sum-exp and the int64 target per token: no logits; its backward
     # sums the weight's gradient in fp32 (vocab x dim) beside the last rank's working memory.
     loss = 4096 * (4 + 8)

@@ -100,8 +100,8 @@ def _maxima(model, tokens) -> torch.Tensor:
 
 @pytest.mark.parametrize("window,documents", [(0, False), (5, False), (0, True), (7, True)])
 def test_head_maxima_are_the_largest_allowed_scores(window, documents):
-    from fivefold.models.logit_max import head_logit_max
-    from fivefold.models.masked_attention import allowed_keys
+    from fivefold.models.attention.logit_max import head_logit_max
+    from fivefold.models.attention.masked import allowed_keys
 
     generator = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 6, 300, 8, generator=generator), torch.randn(2, 3, 300, 8, generator=generator)

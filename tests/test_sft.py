@@ -86,7 +86,7 @@ def test_fine_tune_export_and_chat(chat_folder, hf_folder, tmp_path, capsys):
     the export holds the tokenizer and its template, transformers reads it with our logits, and
     `fivefold generate --chat` answers from it."""
     from fivefold.cli import main
-    from fivefold.models.hf import load_pretrained
+    from fivefold.models.hf.interop import load_pretrained
     from fivefold.train.trainer import train
 
     folder, _ = hf_folder

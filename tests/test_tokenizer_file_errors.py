@@ -106,7 +106,7 @@ def test_prepare_and_generate_name_the_damaged_tokenizer(tok, tmp_path, capsys, 
                          tmp_path / "data").startswith(f"--tokenizer '{tok}' is not a Hugging Face tokenizer.json (")
     assert not (tmp_path / "data").exists()
     hf = tmp_path / "hf"
-    from fivefold.models.hf_stream import make_random_hf_llama
+    from fivefold.models.hf.stream import make_random_hf_llama
 
     make_random_hf_llama(hf, hidden=16, layers=1, heads=2, kv_heads=1, ffn=32, vocab=512)
     refuse_reads(monkeypatch, tok, errno.EIO, method="read_bytes")

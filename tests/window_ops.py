@@ -1,5 +1,5 @@
 """Sliding windows and attention sinks in each context-parallel method, against the model's own
-masked attention on the whole sequence (models/masked_attention.py, itself checked against
+masked attention on the whole sequence (models/attention/masked.py, itself checked against
 transformers' gpt-oss in tests/test_hf_gpt_oss.py). `window_op_errors` runs inside the cp spawns of
 tests/test_context_parallel.py: every rank keeps its share of the same seeded tensors, runs forward
 and backward, and reports the largest error of out, dq, dk, dv and the sinks' gradient, with the
@@ -39,7 +39,7 @@ def _sinks(heads, seed):
 
 def reference(q, k, v, dout, window, sinks, documents):
     """(out, dq, dk, dv, dsinks or None) of the whole sequence in one process."""
-    from fivefold.models.masked_attention import masked_attention
+    from fivefold.models.attention.masked import masked_attention
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     sink = None if sinks is None else sinks.clone().requires_grad_()

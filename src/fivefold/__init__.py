@@ -11,13 +11,13 @@ def load_pretrained(path):
     from pathlib import Path
 
     if (Path(path) / "adapter_config.json").is_file():
-        from fivefold.models.hf_peft import load_peft_folder
+        from fivefold.models.hf.peft_names import load_peft_folder
 
         return load_peft_folder(path)
     if (Path(path) / "state.json").is_file() or (Path(path) / "latest").is_file():
         from fivefold.tools.convert import checkpoint_to_model  # a step_N folder or a checkpoint root
 
         return checkpoint_to_model(path)
-    from fivefold.models.hf import load_pretrained as _load
+    from fivefold.models.hf.interop import load_pretrained as _load
 
     return _load(path)

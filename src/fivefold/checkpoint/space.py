@@ -28,7 +28,7 @@ def checkpoint_elements(cfg: Config) -> dict[str, int]:
     optimizer's state ('adamw', 'muon'), from a meta-device model (no memory)."""
     from fivefold.models.param_settings import settings_by_name
     from fivefold.models import build_meta_model
-    from fivefold.models.lora import is_adapter
+    from fivefold.models.lora.adapters import is_adapter
 
     model = build_meta_model(cfg.model, cfg.lora)
     settings = settings_by_name(cfg.train, model)

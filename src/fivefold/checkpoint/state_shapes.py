@@ -22,7 +22,7 @@ def expected_tensors(cfg_model, with_optimizer: bool, train=None, lora=None) -> 
     With `lora` (a [lora] section with a rank) the frozen base is not saved: only the adapters, with
     their optimizer state, and the persistent buffers."""
     from fivefold.models import build_meta_model
-    from fivefold.models.lora import is_adapter
+    from fivefold.models.lora.adapters import is_adapter
     from fivefold.checkpoint.resume_optimizer import STATE_KEYS, optimizers_by_name
 
     model = build_meta_model(cfg_model, lora)

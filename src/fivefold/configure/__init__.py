@@ -22,7 +22,7 @@ from fivefold.configure.model_rules import check_family, check_lora_targets, che
 
 def read_model_folder(folder: Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder's config.json (the families' adapters read it)."""
-    from fivefold.models.hf_stream import read_hf_config  # imports torch: only for a config naming a folder
+    from fivefold.models.hf.stream import read_hf_config  # imports torch: only for a config naming a folder
 
     return read_hf_config(folder)
 

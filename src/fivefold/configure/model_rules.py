@@ -30,11 +30,11 @@ def check_family(cfg: Config) -> None:
                           f"(deepseek_v3); model.family={m.family} has none, so set model.mtp_depth = 0")
     spec.check(m)
     if cfg.checkpoint.export_hf:
-        from fivefold.models.hf import hf_config_from
+        from fivefold.models.hf.interop import hf_config_from
 
         hf_config_from(m)  # what transformers cannot express is refused now, not after the run
         if cfg.lora.rank:  # a PEFT adapter folder: an adapter PEFT cannot load, likewise
-            from fivefold.models.hf_peft import check_peft_export
+            from fivefold.models.hf.peft_names import check_peft_export
 
             check_peft_export(m, cfg.lora)
     _FAMILY_CHECKED.add(key)
@@ -76,7 +76,7 @@ _GROUPS_CHECKED: set[tuple] = set()  # (model, optimizer keys) whose groups pass
 
 
 def check_lora_targets(cfg: Config) -> None:
-    """One sentence if lora.targets' pattern selects no linear layer (models/lora.py says so while
+    """One sentence if lora.targets' pattern selects no linear layer (models/lora/adapters.py says so while
     it builds the adapters)."""
     if cfg.lora.rank and parse_targets(cfg.lora.targets).pattern:
         from fivefold.models import build_meta_model

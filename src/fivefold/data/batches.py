@@ -15,7 +15,7 @@
 - Documents (`data.document_mask`): each window comes with every token's document id (from the
   prepared document index, or the document starts recorded while tokenizing small data) and, with
   `data.document_positions`, its position in its document, for attention that stays inside
-  documents (models/documents.py). Ids only need to differ between neighbouring documents, so
+  documents (models/attention/documents.py). Ids only need to differ between neighbouring documents, so
   each window's are renumbered 0, 1, 2... from its first token.
 """
 
@@ -31,7 +31,7 @@ import torch
 from fivefold.config import ConfigError, DataConfig
 from fivefold.config.tokenizer_file import read_tokenizer
 from fivefold.config.validate_data import check_documents, parse_mix
-from fivefold.models.documents import document_positions
+from fivefold.models.attention.documents import document_positions
 from fivefold.parallel.context.apply import DocumentWindows
 from fivefold.data.mixture import GlobalBatches
 from fivefold.data.permutation import permute

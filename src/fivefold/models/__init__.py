@@ -12,7 +12,7 @@ def build_meta_model(cfg, lora=None):
     """The model's structure without memory: parameters and buffers on the meta device. Training
     splits and shards it there, then each rank materialises only its own pieces
     (parallel/materialize.py) with `initial_values(cfg, seed)` or weights read from files.
-    `lora`: the [lora] section; with a rank, the adapters beside their layers (models/lora.py)."""
+    `lora`: the [lora] section; with a rank, the adapters beside their layers (models/lora/adapters.py)."""
     import torch
 
     from fivefold.models.registry import model_spec
@@ -20,7 +20,7 @@ def build_meta_model(cfg, lora=None):
     with torch.device("meta"):
         model = model_spec(cfg).build(cfg)
     if lora is not None and lora.rank:
-        from fivefold.models.lora import add_adapters
+        from fivefold.models.lora.adapters import add_adapters
 
         add_adapters(model, lora)
     return model

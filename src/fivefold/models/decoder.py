@@ -1,7 +1,7 @@
 """The decoder every family is made of (Llama 3, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss), as a
 plain single-device module; a family picks its variant (models/<family>/spec.py): per-head q/k RMSNorm
 (Qwen3), attention biases, sinks and per-layer sliding windows from the config (gpt-oss), an MoE
-feed-forward in some layers (models/moe.py), tied or untied embeddings, or its own
+feed-forward in some layers (models/moe/feed_forward.py), tied or untied embeddings, or its own
 attention module and RoPE tables (DeepSeek-V3's latent attention: a subclass of `Transformer`
 passing `attention` and overriding `rope_frequencies` / `rope_tables`).
 
@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelConfig
-from fivefold.models.attention_layout import attention_window
-from fivefold.models.documents import document_attention
+from fivefold.models.attention.layout import attention_window
+from fivefold.models.attention.documents import document_attention
 from fivefold.models.init import Fill, constant, seeded_normal
-from fivefold.models.linear_cross_entropy import OutputLayer
-from fivefold.models.logit_max import head_logit_max
-from fivefold.models.masked_attention import masked_attention
+from fivefold.models.loss.linear_cross_entropy import OutputLayer
+from fivefold.models.attention.logit_max import head_logit_max
+from fivefold.models.attention.masked import masked_attention
 from fivefold.models.rms_norm import RMSNorm
 from fivefold.models.swiglu import swiglu
 
@@ -67,7 +67,7 @@ class CausalAttention(nn.Module):
     """Causal softmax attention over (batch, heads, seq, head_dim); K/V may have fewer heads (GQA).
     With `documents` (batch, seq), each token's document id, no query sees another document. With
     a `window` a query sees at most that many keys, itself included; `sinks` (heads,) are logits
-    that join each head's softmax denominator (models/masked_attention.py)."""
+    that join each head's softmax denominator (models/attention/masked.py)."""
 
     def __init__(self, window: int = 0):
         super().__init__()
@@ -225,7 +225,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        from fivefold.models.moe import moe_feed_forward  # here: moe.py builds on this module
+        from fivefold.models.moe.feed_forward import moe_feed_forward  # here: moe.py builds on this module
 
         self.layers = nn.ModuleDict({
             str(i): TransformerBlock(cfg, moe_feed_forward(cfg, i), qk_norm,
@@ -254,10 +254,10 @@ class Transformer(nn.Module):
         `tokens` are ids, or hidden states when an earlier part of the model ran elsewhere.
         `positions` (batch or 1, seq) defaults to 0..seq-1; a shard of a sequence passes its own.
         `documents` (batch, seq), each token's document id, keeps attention inside documents
-        (models/documents.py); RoPE positions restarting per document come in `positions`.
+        (models/attention/documents.py); RoPE positions restarting per document come in `positions`.
         `targets` (batch, seq): each position's next token, IGNORE where it has none; the model then
         returns the sum of the cross-entropies over the positions with a target, an fp32 scalar,
-        without making the logits (models/linear_cross_entropy.py). (batch, seq, 1 + mtp_depth):
+        without making the logits (models/loss/linear_cross_entropy.py). (batch, seq, 1 + mtp_depth):
         the tokens ahead of each position too, column 0 the next one, for a family with multi-token
         prediction (models/mtp.py), whose loss then reaches backward with the returned one; in
         evaluation no MTP block runs.

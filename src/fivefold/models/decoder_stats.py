@@ -5,7 +5,7 @@ The block counted: RMSNorm, grouped-query attention (q, k, v and output projecti
 an RMSNorm of head_dim on q and on k; with attention_bias their biases, with attention_sinks one
 logit per head), SwiGLU MLP, and for MoE layers a linear router (with router_bias its bias), routed
 experts (each a SwiGLU MLP of expert_ffn_dim, with projection_bias its three biases) and optional
-shared experts. Layers with a sliding window (models/attention_layout.py) attend to at most that
+shared experts. Layers with a sliding window (models/attention/layout.py) attend to at most that
 many keys. Pure arithmetic: no torch (the planner must run anywhere in milliseconds).
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.models.attention_layout import attention_window
-from fivefold.models.moe_layout import is_moe_layer
+from fivefold.models.attention.layout import attention_window
+from fivefold.models.moe.layout import is_moe_layer
 
 
 @dataclass(frozen=True)

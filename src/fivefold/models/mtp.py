@@ -20,9 +20,9 @@ positions that have a target divided by all positions: every rank's piece of a s
 micro-batch then averages to the value of the single process (the last k positions of a window have
 no target, so this is (seq_len - k)/seq_len of a mean over the others).
 
-As for the MoE auxiliary loss (models/moe.py), the MTP loss reaches the gradients through an autograd
+As for the MoE auxiliary loss (models/moe/feed_forward.py), the MTP loss reaches the gradients through an autograd
 function on the main logits: identity forward, and in backward the loss gets the gradient
-`mtp_loss_weight / D` times the micro-batch's weight in its step (models/loss_weight.py). The LM
+`mtp_loss_weight / D` times the micro-batch's weight in its step (models/loss/weight.py). The LM
 loss the trainer reports stays the LM loss; the MTP loss of each forward that counts (not
 evaluation, not a recomputation) is recorded for the metrics.
 """
@@ -87,7 +87,7 @@ def mtp_layers(model: nn.Module) -> list[MTPLayer]:
 def depth_loss(output: nn.Module, normed: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of the cross-entropies where a target exists, over all positions (see the module doc),
     from the shared output layer called with the targets: its fused loss never makes the depth's
-    logits (models/linear_cross_entropy.py), in whatever layout the output layer has."""
+    logits (models/loss/linear_cross_entropy.py), in whatever layout the output layer has."""
     return output(normed, targets) / targets.numel()
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 from torch import nn
 
 from fivefold.config import ModelConfig
-from fivefold.models.hf_adapter import HFAdapter
+from fivefold.models.hf.adapter import HFAdapter
 from fivefold.models.init import Fill
 
 

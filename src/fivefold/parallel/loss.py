@@ -12,13 +12,13 @@ layout, with the gradient arithmetic of plain text.
 
 In training and evaluation the model makes no logits at all: given the labels, its output layer
 returns the summed cross-entropy over the positions with a target, computed chunk by chunk from
-the hidden states and its weight (models/linear_cross_entropy.py; under tensor parallelism from
+the hidden states and its weight (models/loss/linear_cross_entropy.py; under tensor parallelism from
 each rank's vocabulary columns, combined over the tp group with one max and one sum of a few floats
 per token: Megatron's vocabulary-parallel cross-entropy). `LMLoss` turns that sum into the mean,
 or scales it under a loss mask.
 
 Logits a caller does hold (a model called without labels) go through the chunked cross-entropy
-(models/cross_entropy.py): no fp32 copy, log-softmax or gradient of the whole micro-batch's logits,
+(models/loss/cross_entropy.py): no fp32 copy, log-softmax or gradient of the whole micro-batch's logits,
 the gradient written into the logits' own storage where the caller allows it; DTensor logits
 sharded on the vocabulary are reduced the same way over the tp group. Any other layout of logits
 falls back to F.cross_entropy (under `loss_parallel` where the caller set it).
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from fivefold.models.cross_entropy import IGNORE, chunked_cross_entropy
+from fivefold.models.loss.cross_entropy import IGNORE, chunked_cross_entropy
 from fivefold.parallel.vocab_shard import VocabShard
 
 __all__ = ["IGNORE", "LMLoss", "cross_entropy", "lm_loss", "trained_positions"]
@@ -41,7 +41,7 @@ __all__ = ["IGNORE", "LMLoss", "cross_entropy", "lm_loss", "trained_positions"]
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
                   overwrite: bool = False) -> torch.Tensor:
     """F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction) over the flattened
-    tokens, chunked (models/cross_entropy.py), vocabulary-parallel on logits sharded over the
+    tokens, chunked (models/loss/cross_entropy.py), vocabulary-parallel on logits sharded over the
     vocabulary. `overwrite`: the logits may take their gradient in place (module doc)."""
     if isinstance(logits, DTensor):
         shard = VocabShard.of(logits)

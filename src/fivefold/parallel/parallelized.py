@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.mesh import ParallelDims
-from fivefold.models.loss_weight import micro_batch_weight
+from fivefold.models.loss.weight import micro_batch_weight
 from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.comm_ledger import CommLedger
 from fivefold.parallel.context.apply import SequenceSplit

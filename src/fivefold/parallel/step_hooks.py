@@ -27,7 +27,7 @@ class StepHook:
 
 class MultiTokenPredictionStep(StepHook):
     """Multi-token prediction (models/mtp.py): its loss joins the gradients with each micro-batch's
-    weight (models/loss_weight.py, stated by Parallelized.forward_backward), and `mtp_loss` reports
+    weight (models/loss/weight.py, stated by Parallelized.forward_backward), and `mtp_loss` reports
     it (mean over its depths and the step's micro-batches, over the global batch), unweighted. Only the last pipeline stage computes it; every rank gets it."""
 
     def __init__(self, depth: int):

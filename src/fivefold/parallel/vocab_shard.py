@@ -1,5 +1,5 @@
-"""A vocabulary split evenly over the tp ranks, as the chunked losses (models/cross_entropy.py,
-models/linear_cross_entropy.py) need it: where this rank's columns begin, and the two reductions
+"""A vocabulary split evenly over the tp ranks, as the chunked losses (models/loss/cross_entropy.py,
+models/loss/linear_cross_entropy.py) need it: where this rank's columns begin, and the two reductions
 over the ranks holding the others."""
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.models.attention_layout import attention_window
-from fivefold.models.moe_layout import is_moe_layer
+from fivefold.models.attention.layout import attention_window
+from fivefold.models.moe.layout import is_moe_layer
 
 # Seconds to compile one block kind's forward and backward with an empty cache.
 # cpu: measured 17.3 s, dim 256, one thread, Inductor's C++ (benchmarks/vs_transformers.py --compile).

@@ -14,7 +14,7 @@ independent standard normals, and the expected busiest rank is
     imbalance = 1 + z(ep) sqrt((E - k) / ((E - 1) R)),    z(n) = E[max of n standard normals].
 A router that prefers some experts adds to this (the measured figure says how much); a capacity
 factor caps it, since no expert takes more than capacity_factor x its mean share
-(models/moe_capacity.py drops the rest).
+(models/moe/capacity.py drops the rest).
 """
 
 from __future__ import annotations

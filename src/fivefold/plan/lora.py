@@ -1,4 +1,4 @@
-"""LoRA ([lora], models/lora.py) in the planner: the adapters a rank holds, and what they add to a
+"""LoRA ([lora], models/lora/adapters.py) in the planner: the adapters a rank holds, and what they add to a
 block's activations. The base weights are frozen: they keep their weights' bytes (plan/memory.py:
 bf16 or fp32 as the recipe stores weights, whole under ZeRO-1/2, sharded by FSDP2 at zero 3) but
 no gradients, optimizer state or master copy. Only the adapters are trained (AdamW: LoRA refuses
@@ -10,7 +10,7 @@ of each per expert for targeted experts). Under tp each follows its layer
 split; beside a row-parallel W (its columns split) A's columns are split and B is whole; beside a W
 whole on every tp rank both are whole. Under ep the stacks are sliced with their experts.
 
-Activations, per adapted matrix and token (models/lora.py: y = W x + s B A dropout(x)): without
+Activations, per adapted matrix and token (models/lora/adapters.py: y = W x + s B A dropout(x)): without
 recomputation B keeps its input A x (r wide; A's input is W's, kept already); a dropout (p > 0)
 keeps the dropped copy of x and its mask (1 byte per element); selective recomputation
 (parallel/recompute.py) keeps A x too, and redoes B (A x) in backward rather than keep a tensor as

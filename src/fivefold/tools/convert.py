@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fivefold.config import Config, ConfigError, to_toml
 from fivefold.config.file_errors import need_folder, need_output_folder, os_problem, verb
-from fivefold.models.hf import DEFAULT_SHARD_BYTES, model_from_tensors
-from fivefold.models.hf_stream import HFBoxes, dequantised_note
+from fivefold.models.hf.interop import DEFAULT_SHARD_BYTES, model_from_tensors
+from fivefold.models.hf.stream import HFBoxes, dequantised_note
 from fivefold.checkpoint import manifest as checkpoint_manifest
 from fivefold.checkpoint import sharded_io
 from fivefold.checkpoint.save_load import FORMAT, read_state, read_tensors

@@ -3,7 +3,7 @@ exported Hugging Face folder, so a user sees what the run learned.
 
 The single-device model comes from the checkpoint (any saving layout, convert.checkpoint_to_model;
 a LoRA checkpoint: its base with the adapters), the folder (models.hf.load_pretrained) or a PEFT
-adapter folder (its base with the adapters, models/hf_peft.py); the tokenizer is the run's `data.tokenizer` (from the
+adapter folder (its base with the adapters, models/hf/peft_names.py); the tokenizer is the run's `data.tokenizer` (from the
 checkpoint's config.toml; byte when it names none), or the folder's tokenizer.json, unless
 --tokenizer is given. `--chat` renders the prompt as a user message with the tokenizer's chat
 template (data/chat_template.py, as `fivefold prepare --chat` renders the training data) and
@@ -21,7 +21,7 @@ import torch
 
 from fivefold.config import ConfigError
 from fivefold.config.file_errors import need_folder
-from fivefold.models.hf_peft import ADAPTER_CONFIG
+from fivefold.models.hf.peft_names import ADAPTER_CONFIG
 from fivefold.tools.convert import checkpoint_folder, checkpoint_to_model
 from fivefold.train.export import run_tokenizer
 from fivefold.data.batches import ByteTokenizer, HFTokenizer
@@ -40,14 +40,14 @@ def _source(path, tokenizer: str, base: str = ""):
     of a Hugging Face folder (an export: its own tokenizer.json beside the weights)."""
     path = Path(path)
     if (path / ADAPTER_CONFIG).is_file():  # a PEFT adapter folder: its base with the adapters
-        from fivefold.models.hf_peft import load_peft_folder
+        from fivefold.models.hf.peft_names import load_peft_folder
 
         own = path / "tokenizer.json"
         name, what = (tokenizer, "--tokenizer") if tokenizer else (str(own) if own.is_file() else "byte",
                                                                    f"the tokenizer of {path}")
         return load_peft_folder(path, base), name, what
     if (path / "config.json").is_file() and not (path / "state.json").is_file():
-        from fivefold.models.hf import load_pretrained
+        from fivefold.models.hf.interop import load_pretrained
 
         if base:
             raise ConfigError(f"--base names the base of LoRA adapters, and {path} is a whole Hugging Face model; "

@@ -74,7 +74,7 @@ def build_rank(cfg: Config, rank: int) -> dict:
     """Construct rank `rank` of the config's layout here; the report of what it holds."""
     from fivefold.mesh import ParallelDims
     from fivefold.models import build_meta_model, initial_values
-    from fivefold.models.lora import adapter_initial_values
+    from fivefold.models.lora.adapters import adapter_initial_values
     from fivefold.parallel.parallelize import parallelize
 
     store_class = fake_store_class()  # imports torch.testing._internal: only here

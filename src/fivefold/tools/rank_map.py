@@ -80,7 +80,7 @@ def _span(items: list[int]) -> str:
 
 
 def _moe_layers(cfg: Config, layers: list[int]) -> list[int]:
-    from fivefold.models.moe_layout import is_moe_layer
+    from fivefold.models.moe.layout import is_moe_layer
 
     return [i for i in layers if is_moe_layer(cfg.model, i)]
 

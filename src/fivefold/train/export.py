@@ -20,8 +20,8 @@ import torch
 from fivefold.config import ConfigError
 from fivefold.configure import load_config
 from fivefold.config.file_errors import os_problem, verb
-from fivefold.models.hf import DEFAULT_SHARD_BYTES
-from fivefold.models.hf_stream import write_hf_folder
+from fivefold.models.hf.interop import DEFAULT_SHARD_BYTES
+from fivefold.models.hf.stream import write_hf_folder
 from fivefold.checkpoint import sharded_io
 from fivefold.data.chat_template import copy_tokenizer
 from fivefold.checkpoint.save_load import LATEST, follow_latest, read_state

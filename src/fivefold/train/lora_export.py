@@ -1,7 +1,7 @@
 """A LoRA checkpoint (adapters, no base: checkpoint/lora_base.py) out of fivefold, three ways:
 
 - `write_peft_folder`: a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`
-  under PEFT's names, models/hf_peft.py) that `peft.PeftModel.from_pretrained(base, folder)` loads
+  under PEFT's names, models/hf/peft_names.py) that `peft.PeftModel.from_pretrained(base, folder)` loads
   onto the transformers model of `model.init_from`: what `checkpoint.export_hf` and
   `fivefold convert CKPT DST` write for a LoRA run.
 - `write_merged_folder`: a Hugging Face folder of W + (alpha / rank) · B A for each adapted
@@ -23,8 +23,8 @@ import torch
 
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.config.schema import LoraConfig
-from fivefold.models.hf_peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from fivefold.models.lora import is_adapter
+from fivefold.models.hf.peft_names import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from fivefold.models.lora.adapters import is_adapter
 from fivefold.checkpoint.save_load import read_tensors
 
 
@@ -82,7 +82,7 @@ def base_reader(path: Path, state: dict, cfg: ModelConfig):
 
         fill = initial_values(cfg, then["seed"])
         return lambda name, shape: fill(name, shape, (0,) * len(shape), shape)
-    from fivefold.models.hf_stream import HFBoxes
+    from fivefold.models.hf.stream import HFBoxes
 
     reader = HFBoxes(then["init_from"])
 
@@ -112,7 +112,7 @@ def write_peft_folder(path: Path, state: dict, cfg: ModelConfig, dst) -> Path:
     """adapter_config.json and adapter_model.safetensors of LoRA checkpoint `path` in `dst`."""
     from safetensors.torch import save_file
 
-    from fivefold.models.hf_peft import peft_names
+    from fivefold.models.hf.peft_names import peft_names
 
     lora = lora_of(state)
     names = peft_names(cfg, lora)  # refuses what PEFT cannot load, before anything is written
@@ -138,7 +138,7 @@ def write_peft_folder(path: Path, state: dict, cfg: ModelConfig, dst) -> Path:
 
 def _refuse_moved_buffers(path: Path, state: dict, cfg: ModelConfig, tensors: dict) -> None:
     """A persistent buffer the run moved (the MoE balancing bias) is not in a PEFT folder: refused."""
-    from fivefold.models.hf_peft import hf_name_of
+    from fivefold.models.hf.peft_names import hf_name_of
 
     read_base = None
     for name, tensor in tensors.items():
@@ -154,8 +154,8 @@ def _refuse_moved_buffers(path: Path, state: dict, cfg: ModelConfig, tensors: di
 def write_merged_folder(path: Path, state: dict, cfg: ModelConfig, dst, max_shard_bytes: int) -> Path:
     """A Hugging Face folder of the merged weights (fp32), one tensor in memory at a time."""
     from fivefold.models import build_meta_model
-    from fivefold.models.hf_peft import adapted_weight
-    from fivefold.models.hf_stream import write_hf_folder
+    from fivefold.models.hf.peft_names import adapted_weight
+    from fivefold.models.hf.stream import write_hf_folder
     from fivefold.checkpoint.state_shapes import expected_shapes
 
     lora = lora_of(state)
@@ -180,8 +180,8 @@ def write_merged_folder(path: Path, state: dict, cfg: ModelConfig, dst, max_shar
 def adapted_model(path: Path, state: dict, cfg: ModelConfig) -> torch.nn.Module:
     """The single-device model of LoRA checkpoint `path`: its base with the trained adapters beside it."""
     from fivefold.models import build_meta_model
-    from fivefold.models.hf import model_from_tensors
-    from fivefold.models.lora import add_adapters
+    from fivefold.models.hf.interop import model_from_tensors
+    from fivefold.models.lora.adapters import add_adapters
     from fivefold.checkpoint.state_shapes import expected_shapes
 
     lora = lora_of(state)

@@ -20,7 +20,7 @@ from fivefold.config import Config, micro_batches
 from fivefold.mesh import ParallelDims
 from fivefold.models import build_meta_model, initial_values
 from fivefold.models.block_weights import adapter_params_per_token
-from fivefold.models.lora import adapter_initial_values, describe_adapters
+from fivefold.models.lora.adapters import adapter_initial_values, describe_adapters
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.parallelized import Parallelized
 from fivefold.plan.model_stats import model_stats
@@ -79,7 +79,7 @@ def setup(cfg: Config, rt: Runtime | None = None) -> tuple[Runtime, Parallelized
     if hasattr(fill, "close"):  # a folder's memory maps: read pages would count in this rank's RSS
         fill.close()
         if rt.is_main and fill.dequantised:
-            from fivefold.models.hf_stream import dequantised_note
+            from fivefold.models.hf.stream import dequantised_note
 
             print(f"{cfg.model.init_from}: {dequantised_note(fill)}", flush=True)
     return rt, par
@@ -90,7 +90,7 @@ def initial_weights(cfg: Config):
     Hugging Face folder (model.init_from) when the run does not resume from a checkpoint, or when it
     trains LoRA adapters (their checkpoints hold no base: it comes from the folder again)."""
     if cfg.model.init_from and (checkpoint.resolve(cfg) is None or cfg.lora.rank):  # LoRA saves no base
-        from fivefold.models.hf import hf_box_reader
+        from fivefold.models.hf.interop import hf_box_reader
 
         return hf_box_reader(cfg.model.init_from)[1]
     return initial_values(cfg.model, cfg.train.seed)

@@ -11,7 +11,7 @@ Keys a file leaves out mean what GptOssConfig says (its defaults are gpt-oss-120
 YaRN with factor 32 over 4096 positions, the ramp's ends not rounded). `layer_types` becomes
 model.sliding_window and model.full_attention_every; patterns those cannot say are refused. The
 released checkpoints store the experts' gate_up_proj and down_proj in MXFP4 (`quant_method
-"mxfp4"`): they read dequantised (models/mxfp4.py, exact in bf16 and fp32); other quantisations are
+"mxfp4"`): they read dequantised (models/hf/mxfp4.py, exact in bf16 and fp32); other quantisations are
 refused. Export writes unquantised weights.
 """
 
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from fivefold.config import ConfigError, ModelConfig, MoEConfig
 from fivefold.config.families import HF_MODEL_TYPES
-from fivefold.models.attention_layout import attention_window
-from fivefold.models.hf_adapter import HFAdapter, Part
-from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
+from fivefold.models.attention.layout import attention_window
+from fivefold.models.hf.adapter import HFAdapter, Part
+from fivefold.models.hf.config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
 from fivefold.models.llama.hf import FRAME_NAMES
-from fivefold.models.moe_layout import is_moe_layer
+from fivefold.models.moe.layout import is_moe_layer
 
 # GptOssConfig's defaults (transformers 5).
 DEFAULTS = dict(num_hidden_layers=36, num_local_experts=128, vocab_size=201088, hidden_size=2880,
@@ -112,7 +112,7 @@ def _rope(hf: dict) -> dict:
 def read_config(hf: dict) -> ModelConfig:
     quantized = hf.get("quantization_config")
     method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
-    if quantized and method != "mxfp4":  # MXFP4 pairs read dequantised (models/hf_stream.py)
+    if quantized and method != "mxfp4":  # MXFP4 pairs read dequantised (models/hf/stream.py)
         refuse(f"has a quantization_config with quant_method '{method}'; fivefold reads unquantised and MXFP4 "
                "weights: dequantise the checkpoint (e.g. to bf16) first")
     hf = {**DEFAULTS, **hf}  # a null head_dim or num_key_value_heads: derived, as GptOssConfig does

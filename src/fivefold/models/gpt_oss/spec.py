@@ -17,7 +17,7 @@ from fivefold.models.decoder import initial_values
 from fivefold.models.decoder_spec import ROOT_PLAN, decoder_block_plan, decoder_tied
 from fivefold.models.gpt_oss.hf import ADAPTER
 from fivefold.models.gpt_oss.model import GptOssTransformer
-from fivefold.models.moe_layout import is_moe_layer
+from fivefold.models.moe.layout import is_moe_layer
 from fivefold.models.spec import TP, ModelSpec
 
 

@@ -6,8 +6,8 @@ as they are, without the head permutation that Meta's original checkpoints would
 
 from fivefold.config import ModelConfig
 from fivefold.config.families import HF_MODEL_TYPES
-from fivefold.models.hf_adapter import HFAdapter
-from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, refuse, refuse_moe
+from fivefold.models.hf.adapter import HFAdapter
+from fivefold.models.hf.config import decoder_hf_config, decoder_keys_from_hf, refuse, refuse_moe
 
 # (Hugging Face name, our name) of every decoder family; `{layer}` stands for a layer index. The
 # frame (embedding, final norm, output layer, the two norms of each block) is every family's; the

@@ -3,8 +3,8 @@ q/k norms."""
 
 from fivefold.config import ModelConfig
 from fivefold.config.families import HF_MODEL_TYPES
-from fivefold.models.hf_adapter import HFAdapter
-from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, refuse_moe
+from fivefold.models.hf.adapter import HFAdapter
+from fivefold.models.hf.config import decoder_hf_config, decoder_keys_from_hf, refuse_moe
 from fivefold.models.llama.hf import ATTENTION_NAMES, DENSE_MLP_NAMES
 
 QK_NORM_NAMES = [

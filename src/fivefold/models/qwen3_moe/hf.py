@@ -9,10 +9,10 @@ decoder_sparse_step — in our keys first_dense = step - 1, every = step, dense_
 
 from fivefold.config import ConfigError, ModelConfig, MoEConfig
 from fivefold.config.families import HF_MODEL_TYPES
-from fivefold.models.hf_adapter import HFAdapter
-from fivefold.models.hf_config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
+from fivefold.models.hf.adapter import HFAdapter
+from fivefold.models.hf.config import decoder_hf_config, decoder_keys_from_hf, positive_int, refuse
 from fivefold.models.llama.hf import ATTENTION_NAMES, DENSE_MLP_NAMES
-from fivefold.models.moe_layout import is_moe_layer
+from fivefold.models.moe.layout import is_moe_layer
 from fivefold.models.qwen3.hf import QK_NORM_NAMES
 
 _MLP = "model.layers.{layer}.mlp"
@@ -32,7 +32,7 @@ def read_config(hf: dict) -> ModelConfig:
     if not isinstance(only_dense, list) or not all(isinstance(i, int) for i in only_dense):
         refuse(f"needs mlp_only_layers as a list of layer indices, got {only_dense!r}")
     norm_topk_prob = bool(hf.get("norm_topk_prob", False))
-    if hf["num_experts_per_tok"] == 1 and norm_topk_prob:  # models/moe.py renormalises only when top_k > 1
+    if hf["num_experts_per_tok"] == 1 and norm_topk_prob:  # models/moe/feed_forward.py renormalises only when top_k > 1
         refuse("sets num_experts_per_tok=1 with norm_topk_prob=true, which weights the one expert by 1, "
                "while fivefold weights a single expert by its router probability")
     keys = decoder_keys_from_hf(hf, gated_window=True)

@@ -118,7 +118,7 @@ class SequenceSplit:
 
 
 class SequencePieces:
-    """A cp-split sequence as MoE decisions need it (models/moe_capacity.py SequenceSplit): the
+    """A cp-split sequence as MoE decisions need it (models/moe/capacity.py SequenceSplit): the
     global index of each of this rank's chunks, how many chunks make the sequence, a gather of
     per-chunk counts and a differentiable sum from every cp rank."""
 
@@ -177,7 +177,7 @@ class ContextParallelAttention(nn.Module):
         the whole sequence are gathered (as the all-gather method does), no autograd."""
         import torch.distributed as dist
 
-        from fivefold.models.logit_max import head_logit_max
+        from fivefold.models.attention.logit_max import head_logit_max
         from fivefold.parallel.context.gathered import gather_sequence, sequence_documents
 
         cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -195,7 +195,7 @@ def apply_context_parallel(model: nn.Module, attention_core: str, cp_mesh, metho
     """Swap every block's attention core for the context-parallel one over `cp_mesh`, and let MoE
     layers decide per whole sequence: the auxiliary loss adds its routing statistics over the cp
     ranks, capacity ranks each assignment among its expert's in the whole sequence."""
-    from fivefold.models.moe import moe_layers
+    from fivefold.models.moe.feed_forward import moe_layers
 
     group = cp_mesh.get_group()
     pieces = SequencePieces(group, cp_mesh.get_local_rank(), cp_mesh.size())

@@ -12,7 +12,7 @@ query may see; Ulysses runs the model's own document-masked attention on the who
 
 Sliding windows and sinks: all-gather skips and trims its blocks by the window and folds the sinks
 into the merged log-sum-exp once (parallel/context/windows.py); Ulysses hands both to the model's
-masked attention (models/masked_attention.py), each rank its heads' sinks.
+masked attention (models/attention/masked.py), each rank its heads' sinks.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fivefold.models.documents import document_attention
-from fivefold.models.masked_attention import masked_attention
+from fivefold.models.attention.documents import document_attention
+from fivefold.models.attention.masked import masked_attention
 from fivefold.parallel.context.apply import gathered_chunk_order, local_positions
 from fivefold.parallel.context.ring import gather_documents, pack_kv
-from fivefold.models.attention_blocks import merge_rows
-from fivefold.models.attention_windows import Block, part_backward, part_forward, visible_parts
+from fivefold.models.attention.blocks import merge_rows
+from fivefold.models.attention.windows import Block, part_backward, part_forward, visible_parts
 from fivefold.parallel.context.windows import BlockMethod, BlockwiseAttention, chunk_blocks
 
 # torch 2.13 renamed the single-tensor collectives; keep working on 2.11/2.12.

@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fivefold.models.attention_blocks import merge_rows
-from fivefold.models.attention_windows import Block, part_backward, part_forward, visible_parts
+from fivefold.models.attention.blocks import merge_rows
+from fivefold.models.attention.windows import Block, part_backward, part_forward, visible_parts
 from fivefold.parallel.context.windows import BlockMethod, BlockwiseAttention, chunk_blocks
 
 _KV_TAG, _GRAD_TAG = 0, 1  # gloo matches messages by tag; NCCL by issue order (the same on all ranks)

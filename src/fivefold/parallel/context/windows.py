@@ -1,11 +1,11 @@
 """Sliding windows and attention sinks in context-parallel attention (ours). The block rules below
-live in models/attention_windows.py (parallelism-free, shared with the single-device attention).
+live in models/attention/windows.py (parallelism-free, shared with the single-device attention).
 
 Windows. Context parallelism computes attention a block at a time: query rows of one chunk of the
 sequence against key columns of another. A block outside the window is skipped, never computed, but
 its K/V still travel, so that every rank runs the same ring; how the window cuts the other blocks
 (tiles the fused kernels run, a trimmed masked block, or the whole block) is
-models/attention_windows.py's rule, shared with the single-device attention.
+models/attention/windows.py's rule, shared with the single-device attention.
 The three attention methods describe their blocks as `Block`s with the global positions of their
 first row and column (chunks are contiguous runs of positions), so one rule serves them all.
 
@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from fivefold.models.attention_windows import Block, add_sinks, sink_grad
+from fivefold.models.attention.windows import Block, add_sinks, sink_grad
 
 
 def chunk_blocks(query_chunks, key_chunks, chunk: int) -> list[Block]:

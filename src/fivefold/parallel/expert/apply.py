@@ -1,7 +1,7 @@
 """Expert parallelism (ours): each rank of an ep group keeps n_experts/ep of every MoE layer's
 experts, and tokens travel to their expert and back by all-to-all.
 
-The single-device MoE (models/moe.py) routes, applies capacity and sorts its assignments by expert
+The single-device MoE (models/moe/feed_forward.py) routes, applies capacity and sorts its assignments by expert
 on the rank that holds the tokens; only `MoE.run_experts` is replaced here. A call:
 1. exchange counts: how many rows this rank sends to each expert (an even all-to-all of E ints);
 2. dispatch: all-to-all of the rows, uneven sizes (rank r gets the rows for its experts);
@@ -22,7 +22,7 @@ With `parallel.ep_replicas`, a rank also computes, in replica slots, some rows o
 ranks own (parallel/expert/replicas.py): each destination rank's columns are then its own experts
 and its slots, and the rows are laid out by column before the dispatch and put back after it.
 
-Expert tensors are found through the shared MoE block (models/moe.py), whatever the family: every
+Expert tensors are found through the shared MoE block (models/moe/feed_forward.py), whatever the family: every
 parameter of an `MoE.experts` module is stacked (experts, ...) along dim 0.
 """
 
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.models.moe import MoE, is_expert_param, moe_layers
+from fivefold.models.moe.feed_forward import MoE, is_expert_param, moe_layers
 from torch.distributed.tensor import DTensor
 
 from fivefold.parallel.collectives import all_reduce_scalars
@@ -203,7 +203,7 @@ def finish_router_step(parts: list[nn.Module], slice_group, dp_cp_group, n_micro
 class RouterStep(StepHook):
     """MoE layers in a step: after the optimizer step, the step's load over the global batch moves
     the balancing biases and gives the router metrics (finish_router_step). The aux loss weighs like
-    each micro-batch's LM loss (models/loss_weight.py, stated by Parallelized.forward_backward).
+    each micro-batch's LM loss (models/loss/weight.py, stated by Parallelized.forward_backward).
     `slice_group`: the tp ranks that route slices of the same tokens (their MoE layers run whole
     on each, parallel/tensor/apply.py), or None."""
 

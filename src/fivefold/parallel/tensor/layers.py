@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from fivefold.models.linear_cross_entropy import linear_cross_entropy
+from fivefold.models.loss.linear_cross_entropy import linear_cross_entropy
 from fivefold.models.rms_norm import rms_norm
 from fivefold.parallel.gloo import reduce_scatter_via_all_to_all
 from fivefold.parallel.tensor.sharded_inputs import mark, saving_shards

@@ -1,4 +1,4 @@
-"""Adapters (models/lora.py) laid out with the tensor-parallel layer they sit beside.
+"""Adapters (models/lora/adapters.py) laid out with the tensor-parallel layer they sit beside.
 
 y = W x + s · B A x. The adapter follows its layer so that it adds no collective of its own:
 - column-parallel W (rows = output features split): B is split the same way and A is replicated.
@@ -19,7 +19,7 @@ import functools
 
 from torch import nn
 
-from fivefold.models.lora import A, add_adapter, adapter_output
+from fivefold.models.lora.adapters import A, add_adapter, adapter_output
 from fivefold.models.spec import TP
 from fivefold.parallel.tensor.layers import ColumnParallelLinear, PartialGradLinear, RowParallelLinear
 

@@ -1,0 +1,2 @@
+"""LoRA: adapters beside the targeted linear layers (adapters.py) and beside stacked experts
+(experts.py)."""
