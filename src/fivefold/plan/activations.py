@@ -69,6 +69,7 @@ uses this count in every recipe (it was calibrated with it).
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import repeat
 
 from fivefold.plan.branch_split import split_branches
 from fivefold.plan.expert_load import rank_imbalance
@@ -187,7 +188,7 @@ def fivefold_attention_bytes(stats: ModelStats, layout: Layout, seq_len: int, re
     q, k, v, o = stats.q_dim / t, stats.kv_dim / t, stats.v_dim / t, stats.o_dim / t
     heads = stats.n_heads / t
     # Unfused (no kernel for this shape on this device): SDPA's math path and ring attention's
-    # plain one (models/attention_blocks.py) compute in fp32 and hold fp32 scores of every key
+    # plain one (models/attention/blocks.py) compute in fp32 and hold fp32 scores of every key
     # (Ulysses: all heads' share of the whole sequence); under ring each rank holds its own square
     # block and half of each of the other cp-1 (the zigzag split).
     math = not fused and not (ring and cp > 1)
@@ -252,12 +253,12 @@ def output_bytes(workload: Workload, layout: Layout, runtime: Runtime) -> tuple[
     if runtime.activation_recipe == "fivefold":
         # norm input and rstd, the output layer's input (gathered under sp: its shard
         # where parallel/tensor/sharded_inputs.py applies); a stack that makes the logits and runs
-        # the chunked loss on them (models/cross_entropy.py) keeps the vocab-parallel logits in their
+        # the chunked loss on them (models/loss/cross_entropy.py) keeps the vocab-parallel logits in their
         # compute dtype, an fp32 log-sum-exp and the int64 label per token, and writes their gradient
         # into the logits' own storage (one chunk's fp32 temporaries at a time).
         sharded = s > 1 and layout.recompute == "none" and not keeps_gathered(workload, runtime)
         if runtime.fuses_output_loss:
-            # The output layer fused with its loss (models/linear_cross_entropy.py) keeps its input
+            # The output layer fused with its loss (models/loss/linear_cross_entropy.py) keeps its input
             # (it makes the logits again in backward, frozen or not), an fp32 log-sum-exp and the
             # int64 target per token, and no logits.
             read = stats.dim / (s if sharded else 1) * pr.act_bytes
@@ -290,40 +291,50 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
 
     Computed once per the layout fields it reads: not dp (the micro-batches are given), ZeRO or
     HSDP, so a search's ZeRO stages of one layout share it (~55,000 ranks at 8,192 GPUs)."""
-    fields = (layout.tp, layout.pp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp_schedule,
-              layout.pp_virtual, layout.sp, layout.cp_method)
-    return _activation_bytes(workload, fields, prank, rank, micro_batches, hw, runtime)
+    return activation_bytes_by_fields(workload, activation_fields(layout), prank, rank, micro_batches, hw, runtime)
+
+
+def activation_fields(layout: Layout) -> tuple:
+    """The layout fields a rank's activations read (the key activation_bytes_by_fields takes)."""
+    return (layout.tp, layout.pp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp_schedule,
+            layout.pp_virtual, layout.sp, layout.cp_method)
+
+
+def clear_caches() -> None:
+    """Forget the memoised counts (for a test that changes the recipe under them)."""
+    activation_bytes_by_fields.cache_clear()
+    _per_kind_bytes.cache_clear()
 
 
 @lru_cache(maxsize=32768)
-def _activation_bytes(workload: Workload, fields: tuple, prank: PipelineRank, rank: int,
-                      micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
+def activation_bytes_by_fields(workload: Workload, fields: tuple, prank: PipelineRank, rank: int,
+                               micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
+    """activation_bytes with the layout given as activation_fields(layout): what a caller pricing
+    many ranks of one layout computes once."""
     tp, pp, cp, ep, mbs, recompute, schedule, virtual, sp, cp_method = fields
     layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, recompute=recompute, pp_schedule=schedule,
                     pp_virtual=virtual, sp=sp, cp_method=cp_method)
     tokens = layout.mbs * workload.seq_len / layout.cp  # tokens of one micro-batch on this rank
     fivefold = runtime.activation_recipe == "fivefold"
     counts = in_flight_per_chunk(layout, rank, micro_batches)
-    # Layers of a kind (dense, MoE) keep the same: computed once per kind.
-    imbalance = rank_imbalance(workload, layout)
-    per_kind = {workload.stats.is_moe(layer): layer_activation_bytes(workload, layer, layout, layout.recompute,
-                                                                     hw, runtime, imbalance)
-                for layer, _ in prank.kinds}
+    layers = (tuple(layer for layer, _ in prank.kinds) if workload.lora.rank
+              else _first_of_each_kind(workload.stats, prank.kinds))
+    per_kind, biggest = _per_kind_bytes(workload, fields, layers, hw, runtime)
+    one_kind = next(iter(per_kind.values())) if len(per_kind) == 1 else None
     s = layout.tp if (layout.tp > 1 and layout.sp) else 1
     stream = workload.stats.dim / s * workload.precision.param_bytes  # one stage output, per token
     saved = 0.0
     for count, layers, sends in zip(counts, prank.chunks, prank.sends):
-        saved += count * tokens * sum(per_kind[workload.stats.is_moe(i)] for i in layers)
+        # (A rank of one kind of layer sums copies of one value, in C: the same sum, in order.)
+        layer_bytes = (sum(repeat(one_kind, len(layers))) if one_kind is not None
+                       else sum(per_kind[workload.stats.is_moe(i)] for i in layers))
+        saved += count * tokens * layer_bytes
         if fivefold and layers:
             # Each micro-batch's RoPE tables: fp32 cos and sin of its local positions (one per
             # sequence position, shared by the batch).
             saved += count * 2 * 4 * workload.seq_len / layout.cp * workload.stats.rope_dim
         if fivefold and sends and not runtime.frees_sent_outputs:  # outputs sent on, until the send is known done
             saved += outputs_held(layout, count, micro_batches) * tokens * stream
-    # The backward of one layer materialises gradients about as large as what that layer saved;
-    # under full recomputation it first rebuilds that layer's activations as well.
-    biggest = max((layer_activation_bytes(workload, layer, layout, "none", hw, runtime, imbalance)
-                   for layer, _ in prank.kinds), default=0.0)
     working = biggest * tokens * (2 if layout.recompute == "full" else 1)
     if prank.has_output:
         last = counts[-1]  # the last stage is the rank's last chunk
@@ -345,6 +356,39 @@ def _activation_bytes(workload: Workload, fields: tuple, prank: PipelineRank, ra
             working += 4 * workload.stats.vocab_size / layout.tp * workload.stats.dim
         working += logits_grad * tokens
     return saved, working
+
+
+@lru_cache(maxsize=4096)
+def _first_of_each_kind(stats: ModelStats, kinds: tuple) -> tuple[int, ...]:
+    """For each of a rank's (layer, count) kinds, the model's first layer of that kind (MoE or
+    dense, sliding-window or full, multi-token prediction): without LoRA, whose adapters may be
+    chosen by a layer's name, what a layer keeps depends on its kind alone, so every pipeline
+    rank's layers of a kind share one count."""
+    first: dict = {}
+    for i in range(stats.n_layers + stats.mtp_depth):
+        first.setdefault((stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers), i)
+    return tuple(first[(stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers)] for i, _ in kinds)
+
+
+@lru_cache(maxsize=8192)
+def _per_kind_bytes(workload: Workload, fields: tuple, layers: tuple, hw: Hardware,
+                    runtime: Runtime) -> tuple[dict, float]:
+    """({is MoE: bytes a layer of that kind keeps per token}, the most a layer keeps without
+    recomputation, which its backward's gradients are about as large as) for a rank holding
+    `layers`' kinds (one layer of each). Layers of a kind keep the same: computed once per layout
+    fields and kinds, not per rank."""
+    tp, pp, cp, ep, mbs, recompute, schedule, virtual, sp, cp_method = fields
+    layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, recompute=recompute, pp_schedule=schedule,
+                    pp_virtual=virtual, sp=sp, cp_method=cp_method)
+    imbalance = rank_imbalance(workload, layout)
+    per_kind = {workload.stats.is_moe(layer): layer_activation_bytes(workload, layer, layout, layout.recompute,
+                                                                     hw, runtime, imbalance)
+                for layer in layers}
+    # The backward of one layer materialises gradients about as large as what that layer saved;
+    # under full recomputation it first rebuilds that layer's activations as well.
+    biggest = max((layer_activation_bytes(workload, layer, layout, "none", hw, runtime, imbalance)
+                   for layer in layers), default=0.0)
+    return per_kind, biggest
 
 
 # ----------------------------------------------------------------------------------------- total

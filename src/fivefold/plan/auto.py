@@ -175,24 +175,20 @@ def choose(cfg: Config, world: int, hw: Hardware, runtime: Runtime, free: frozen
     base = _base(cfg)
     fitting, leanest, problems = [], None, []
     for grid in candidate_layouts(cfg, workload, world, hw.gpus_per_node, _fixed(free, base), base):
-        problem = layout_problem(cfg, workload, grid[0][0], world, full_check=False)
+        first = grid.first
+        problem = layout_problem(cfg, workload, first, world, full_check=False)
         if problem:
-            problems.append((grid[0][0], problem))
+            problems.append((first, problem))
             continue
         settled: set[int] = set()  # ZeRO stages that fit with cheaper recomputation (search.py)
-        for by_zero in grid:
-            for layout in by_zero:
-                if layout.zero in settled:
-                    continue
-                mem = worst_rank_memory(workload, layout, hw, runtime)
-                if mem.total > hw.memory_bytes:
-                    if leanest is None or mem.total < leanest[1].total:
-                        leanest = (layout, mem)
-                    continue
-                fitting.append(estimate(workload, layout, hw, runtime, mem))
-                settled.add(layout.zero)
-            if len(settled) == len(by_zero):
-                break
+        for layout in grid.cheapest(settled):
+            mem = worst_rank_memory(workload, layout, hw, runtime)
+            if mem.total > hw.memory_bytes:
+                if leanest is None or mem.total < leanest[1].total:
+                    leanest = (layout, mem)
+                continue
+            fitting.append(estimate(workload, layout, hw, runtime, mem))
+            settled.add(layout.zero)
     rank(fitting)
     valid = []
     for est in fitting:  # the search's winners, re-checked with the training code's full rules

@@ -20,6 +20,7 @@ transfers are exposed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from fivefold.plan import comm, gemm
 from fivefold.plan.attention_time import attention_seconds
@@ -282,6 +283,14 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     return total_bytes, hidden, ahead, exposed
 
 
+@lru_cache(maxsize=256)
+def _model_flops_per_token(stats, seq_len: int, lora) -> float:
+    """The model FLOPs of ModelStats.mfu (the one MFU formula: tokens/s x this / peak), a sum over
+    every layer: computed once per model, sequence and LoRA, not for each of a search's layouts."""
+    adapters = adapter_params_per_token(stats, lora.rank, lora.targets) if lora.rank else None
+    return stats.mfu(seq_len, 1.0, 1.0, adapters)  # x 1 and / 1 are exact: the FLOPs themselves
+
+
 def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
              memory: MemoryBreakdown | None = None) -> Estimate:
     """Predict one layout (memory may be passed in when the caller already computed it)."""
@@ -365,15 +374,13 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                 key=lambda s: s.seconds) if workload.muon else None)
     step = pipe_time + dp_visible + optim_time + latent_t + (muon.seconds if muon else 0.0)
     tok_s_gpu = workload.tokens_per_step / step / layout.world_size
-    mfu = stats.mfu(workload.seq_len, tok_s_gpu, hw.peak_flops,
-                    adapter_params_per_token(stats, workload.lora.rank, workload.lora.targets)
-                    if workload.lora.rank else None)
+    mfu = tok_s_gpu * _model_flops_per_token(stats, workload.seq_len, workload.lora) / hw.peak_flops
     parts = {k: m * v for k, v in worst.items()}
     parts.update({"bubble": slots * t_mb, "dp": dp_visible, "optimizer": optim_time})
     parts["tp"] += latent_t
     if muon:
         parts.update({"newton_schulz": muon.newton_schulz_s, "muon_gather": muon.gather_s})
-    # The vocabulary-parallel loss (models/cross_entropy.py): per token one fp32 max and one sum of
+    # The vocabulary-parallel loss (models/loss/cross_entropy.py): per token one fp32 max and one sum of
     # two fp32 values (exponentials, target logit), all-reduced over tp on the output's ranks.
     loss_b = 2 * (layout.tp - 1) / layout.tp * 12 * layout.mbs * workload.seq_len / layout.cp * m
     comm_bytes = {"dp": dp_bytes, "tp": m * per_mb_bytes["tp"] + latent_b + loss_b, "pp": m * per_mb_bytes["pp"],

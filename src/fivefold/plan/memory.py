@@ -10,13 +10,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from fivefold.plan.activations import activation_bytes
+from fivefold.plan.activations import activation_bytes_by_fields, activation_fields
 from fivefold.plan.framework_memory import as_recomputed_by, as_run_by, process_bytes
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import adapter_param_counts, layer_adapter_params
 from fivefold.plan.model_stats import ModelStats
-from fivefold.plan.schedule import V_SHAPED, PipelineRank, _pipeline_ranks, chunks_per_rank, pipeline_ranks
+from fivefold.plan.schedule import V_SHAPED, PipelineRank, _pipeline_ranks, chunks_per_rank
 from fivefold.plan.workload import Workload
 
 
@@ -181,8 +181,12 @@ def rank_state_bytes(workload: Workload, layout: Layout, prank: PipelineRank) ->
     the adapters, the weights it trains, with gradients, AdamW's state and masters (plan/lora.py).
     Computed once per the degrees it reads (not recomputation or the schedule: a search asks for
     each at every recomputation); the dict is shared, read it only."""
-    return _rank_state_bytes(workload, (layout.dp, layout.zero, layout.tp, layout.cp, layout.ep,
-                                        layout.dp_shard), prank)
+    return _rank_state_bytes(workload, state_degrees(layout), prank)
+
+
+def state_degrees(layout: Layout) -> tuple:
+    """The layout fields a rank's model state reads (rank_state_bytes' key)."""
+    return layout.dp, layout.zero, layout.tp, layout.cp, layout.ep, layout.dp_shard
 
 
 @lru_cache(maxsize=16384)
@@ -203,34 +207,57 @@ def _rank_state_bytes(workload: Workload, degrees: tuple, prank: PipelineRank) -
 
 def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                 prank: PipelineRank, rank: int) -> MemoryBreakdown:
-    workload = as_run_by(workload, runtime)  # the framework's gradient buffer (plan/framework_memory.py)
-    stats, pr = workload.stats, workload.precision
-    layout = as_trained(as_recomputed_by(layout, runtime, hw, stats))
-    m = layout.micro_batches(workload.global_batch)
-    dense, experts = rank_param_counts(stats, layout, prank)
-    state = rank_state_bytes(workload, layout, prank)
-    lora = workload.lora
-    trained = adapter_param_counts(stats, layout, prank, lora) if lora.rank else (dense, experts)
-    saved, working = activation_bytes(workload, layout, prank, rank, m, hw, runtime)
-    outside = process_bytes(layout, hw)
-    other = outside + runtime.fixed_bytes + working  # framework_memory.fixed_bytes
-    if layout.zero >= 3 and prank.layers:
-        # FSDP all-gathers one layer while the previous one computes (prefetch): two unsharded
-        # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.
-        layer = max(sum(layer_param_counts(stats, layout, i)) for i, _ in prank.kinds)
-        grads = (max(sum(layer_adapter_params(stats, layout, i, lora)) for i, _ in prank.kinds)
-                 if lora.rank else layer)  # a frozen weight has no gradient
-        other += layer * 2 * pr.param_bytes + grads * pr.reduce_bytes
-        if layout.pp > 1:
-            # PyTorch's pipeline stage reduce-scatters once, after the step's last backward: the
-            # stage's unsharded gradients accumulate until then.
-            other += sum(trained) * pr.reduce_bytes
-        if layout.split_backward:  # blocks stay gathered from forward to backward (parallel/data/fsdp.py)
-            other += (dense + experts) * pr.param_bytes
-    return MemoryBreakdown(params=state["params"], grads=state["grads"],
-                           optimizer=state["optimizer"], activations=saved, other=other,
-                           pipeline_rank=rank, outside_allocator=outside,
-                           detail={"params_per_rank": dense + experts, "layers": len(prank.layers)})
+    shared = _LayoutShared(workload, layout, hw, runtime)
+    return shared.breakdown(prank, rank, *shared.rank_parts(prank, rank))
+
+
+class _LayoutShared:
+    """What every pipeline rank of one layout shares, worked out once for all of them: the
+    workload as the framework holds its gradients, the layout as it trains and recomputes, its
+    micro-batches, the bytes outside the allocator and the memo keys of its state and activations."""
+
+    def __init__(self, workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime):
+        self.workload = as_run_by(workload, runtime)  # the framework's gradient buffer (plan/framework_memory.py)
+        self.layout = as_trained(as_recomputed_by(layout, runtime, hw, self.workload.stats))
+        self.hw, self.runtime = hw, runtime
+        self.micro_batches = self.layout.micro_batches(self.workload.global_batch)
+        self.outside = process_bytes(self.layout, hw)
+        self.fixed = self.outside + runtime.fixed_bytes  # framework_memory.fixed_bytes
+        self.state_key = state_degrees(self.layout)
+        self.activation_key = activation_fields(self.layout)
+
+    def rank_parts(self, prank: PipelineRank, rank: int) -> tuple[dict, float, float]:
+        """(model state dict, saved activations, other bytes) of one rank."""
+        workload, layout = self.workload, self.layout
+        state = _rank_state_bytes(workload, self.state_key, prank)
+        saved, working = activation_bytes_by_fields(workload, self.activation_key, prank, rank,
+                                                    self.micro_batches, self.hw, self.runtime)
+        other = self.fixed + working
+        if layout.zero >= 3 and prank.layers:
+            stats, pr, lora = workload.stats, workload.precision, workload.lora
+            dense, experts = rank_param_counts(stats, layout, prank)
+            trained = adapter_param_counts(stats, layout, prank, lora) if lora.rank else (dense, experts)
+            # FSDP all-gathers one layer while the previous one computes (prefetch): two unsharded
+            # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.
+            layer = max(sum(layer_param_counts(stats, layout, i)) for i, _ in prank.kinds)
+            grads = (max(sum(layer_adapter_params(stats, layout, i, lora)) for i, _ in prank.kinds)
+                     if lora.rank else layer)  # a frozen weight has no gradient
+            other += layer * 2 * pr.param_bytes + grads * pr.reduce_bytes
+            if layout.pp > 1:
+                # PyTorch's pipeline stage reduce-scatters once, after the step's last backward: the
+                # stage's unsharded gradients accumulate until then.
+                other += sum(trained) * pr.reduce_bytes
+            if layout.split_backward:  # blocks stay gathered from forward to backward (parallel/data/fsdp.py)
+                other += (dense + experts) * pr.param_bytes
+        return state, saved, other
+
+    def breakdown(self, prank: PipelineRank, rank: int, state: dict, saved: float,
+                  other: float) -> MemoryBreakdown:
+        params = sum(rank_param_counts(self.workload.stats, self.layout, prank))
+        return MemoryBreakdown(params=state["params"], grads=state["grads"],
+                               optimizer=state["optimizer"], activations=saved, other=other,
+                               pipeline_rank=rank, outside_allocator=self.outside,
+                               detail={"params_per_rank": params, "layers": len(prank.layers)})
 
 
 def stage_shape(stats: ModelStats, prank: PipelineRank) -> tuple:
@@ -242,7 +269,7 @@ def stage_shape(stats: ModelStats, prank: PipelineRank) -> tuple:
             tuple(tuple(kind(i) for i in chunk) for chunk in prank.chunks))
 
 
-def candidate_ranks(workload: Workload, layout: Layout) -> list[tuple[int, PipelineRank]]:
+def candidate_ranks(workload: Workload, layout: Layout) -> tuple[tuple[int, PipelineRank], ...]:
     """The pipeline ranks that can hold the most. Ranks of the same stage shape differ only in
     their in-flight micro-batches (plan/schedule.py in_flight_per_chunk), and their memory is
     linear in each chunk's count with positive weights. Outside the V-shaped schedules the counts
@@ -251,24 +278,23 @@ def candidate_ranks(workload: Workload, layout: Layout) -> list[tuple[int, Pipel
     the index, each clipped at m: memory is concave and piecewise linear in the index, with kinks
     where a count meets m, so its maximum over a shape's ranks is at the first or last rank of a
     linear piece. (The search meets ~10^4 layouts at 8,192 GPUs: this keeps it near a second.)"""
-    ranks = pipeline_ranks(workload.stats, layout, workload.seq_len)
-    keep = _candidate_indices(workload.stats, layout.pp, chunks_per_rank(layout), layout.pp_schedule,
-                              layout.pp_layers, workload.seq_len, layout.micro_batches(workload.global_batch))
-    return [(r, ranks[r]) for r in keep]
+    return _candidate_ranks(workload, layout.pp, chunks_per_rank(layout), layout.pp_schedule, layout.pp_layers,
+                            layout.micro_batches(workload.global_batch))
 
 
 @lru_cache(maxsize=8192)
-def _candidate_indices(stats: ModelStats, p: int, v: int, schedule: str, pp_layers: str, seq_len: int,
-                       m: int) -> tuple[int, ...]:
-    """candidate_ranks' indices: they depend on the pipeline's shape only, not on dp, tp or ZeRO."""
-    ranks = _pipeline_ranks(stats, p, v, schedule in V_SHAPED, pp_layers, seq_len)
+def _candidate_ranks(workload: Workload, p: int, v: int, schedule: str, pp_layers: str,
+                     m: int) -> tuple[tuple[int, PipelineRank], ...]:
+    """candidate_ranks by what they depend on, the pipeline's shape (not dp, tp or ZeRO)."""
+    stats = workload.stats
+    ranks = _pipeline_ranks(stats, p, v, schedule in V_SHAPED, pp_layers, workload.seq_len)
     if len(ranks) <= 2 or any(not chunk for prank in ranks for chunk in prank.chunks):
-        return tuple(range(len(ranks)))  # (a stage without layers holds outputs, not activations)
+        return tuple(enumerate(ranks))  # (a stage without layers holds outputs, not activations)
     groups: dict[tuple, list[int]] = {}
     for r, prank in enumerate(ranks):
         groups.setdefault(stage_shape(stats, prank), []).append(r)
     if schedule not in V_SHAPED:
-        return tuple(sorted(members[0] for members in groups.values()))
+        return tuple((r, ranks[r]) for r in sorted(members[0] for members in groups.values()))
     kinks = (2 * p - 1 - m, 2 * p - m, m - 1)  # zbv: 2p-1-r and r+1 meet m; dualpipev: 2p-r
     keep = set()
     for members in groups.values():
@@ -277,12 +303,21 @@ def _candidate_indices(stats: ModelStats, p: int, v: int, schedule: str, pp_laye
             pieces.setdefault(sum(r > k for k in kinks), []).append(r)
         for piece in pieces.values():
             keep.update((piece[0], piece[-1]))
-    return tuple(sorted(keep))
+    return tuple((r, ranks[r]) for r in sorted(keep))
 
 
 def worst_rank_memory(workload: Workload, layout: Layout, hw: Hardware,
                       runtime: Runtime) -> MemoryBreakdown:
     """Peak memory of the pipeline rank that needs the most (first rank: most activations in
-    flight and the embedding; last rank: output projection and logits)."""
-    return max((rank_memory(workload, layout, hw, runtime, pr, r) for r, pr in candidate_ranks(workload, layout)),
-               key=lambda mb: mb.total)
+    flight and the embedding; last rank: output projection and logits); of ranks needing the same,
+    the first. Only that rank's breakdown is built: the others are compared by their totals,
+    summed as MemoryBreakdown.total sums them."""
+    shared = _LayoutShared(workload, layout, hw, runtime)
+    worst = worst_total = None
+    for r, prank in candidate_ranks(workload, layout):
+        state, saved, other = parts = shared.rank_parts(prank, r)
+        total = state["params"] + state["grads"] + state["optimizer"] + saved + other
+        if worst is None or total > worst_total:
+            worst, worst_total = (prank, r, parts), total
+    prank, r, parts = worst
+    return shared.breakdown(prank, r, *parts)

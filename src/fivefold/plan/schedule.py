@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from fivefold.plan.cached_hash import cached_hash, state_without_hash
 from fivefold.plan.stage_split import balanced_layer_counts
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
@@ -29,6 +30,9 @@ def chunks_per_rank(layout: Layout) -> int:
 
 @dataclass(frozen=True)
 class PipelineRank:
+    __hash__ = cached_hash  # computed once: the search's memo tables are keyed by it
+    __getstate__ = state_without_hash
+
     layers: tuple[int, ...]  # transformer layers this rank holds (all its chunks)
     has_embedding: bool
     has_output: bool  # final norm + output projection + loss
@@ -80,25 +84,31 @@ def balanced_sizes(stats: ModelStats, n_chunks: int, seq_len: int) -> tuple[int,
     return tuple(balanced_layer_counts(costs, stats.head_flops_per_token(seq_len), n_chunks))
 
 
-def end_relieved_splits(stats: ModelStats, layout: Layout, seq_len: int):
+def end_relieved_splits(stats: ModelStats, layout: Layout, seq_len: int) -> tuple[tuple[str, int, int], ...]:
     """(pp_layers text, layers off the first chunk, off the last) for splits that give the ends of
     the pipeline fewer layers than the FLOP-balanced one (Llama 3 trained with one layer fewer on
     each): the first chunk keeps the most micro-batches in flight and the embedding, the last the
     output layer and the loss. Their layers go to the middle chunks, nearest the middle first."""
-    n_chunks = layout.pp * chunks_per_rank(layout)
+    return _end_relieved_splits(stats, layout.pp * chunks_per_rank(layout), seq_len)
+
+
+@lru_cache(maxsize=1024)
+def _end_relieved_splits(stats: ModelStats, n_chunks: int, seq_len: int) -> tuple[tuple[str, int, int], ...]:
     if n_chunks < 3:
-        return
+        return ()
     base = balanced_sizes(stats, n_chunks, seq_len)
     middle = sorted(range(1, n_chunks - 1), key=lambda c: abs(c - (n_chunks - 1) / 2))
+    splits = []
     for first, last in END_RELIEFS:
         if base[0] - first < 1 or base[-1] - last < 1:
-            return
+            break
         sizes = list(base)
         sizes[0] -= first
         sizes[-1] -= last
         for i in range(first + last):
             sizes[middle[i % len(middle)]] += 1
-        yield ",".join(map(str, sizes)), first, last
+        splits.append((",".join(map(str, sizes)), first, last))
+    return tuple(splits)
 
 
 def pipeline_ranks(stats: ModelStats, layout: Layout, seq_len: int) -> list[PipelineRank]:

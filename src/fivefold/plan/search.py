@@ -153,10 +153,39 @@ def _schedules(pp: int, fixed: dict) -> list[tuple[str, int]]:
             for s in field_options("pp_schedule", fixed, SEARCH_SCHEDULES)]
 
 
+@dataclass(frozen=True)
+class LayoutGrid:
+    """Layouts that differ only in ZeRO stage and recomputation: `one` at each of `zeros` and
+    `recomputes` (fastest first). Iterating gives the rows, one per recomputation, each a list
+    of layouts by ZeRO stage; `cheapest` builds only the layouts a search times."""
+    one: Layout
+    zeros: tuple
+    recomputes: tuple
+
+    @property
+    def first(self) -> Layout:
+        return dataclasses.replace(self.one, zero=self.zeros[0], recompute=self.recomputes[0])
+
+    def __iter__(self):
+        return iter([[dataclasses.replace(self.one, zero=z, recompute=r) for z in self.zeros]
+                     for r in self.recomputes])
+
+    def cheapest(self, settled: set):
+        """The layouts worth timing, fastest recomputation first: a ZeRO stage in `settled` (the
+        caller adds each that fits) fitted already with cheaper recomputation, and more
+        recomputation only costs time. (A search builds ~10^4 layouts: each only when needed.)"""
+        for recompute in self.recomputes:
+            for zero in self.zeros:
+                if zero not in settled:
+                    yield dataclasses.replace(self.one, zero=zero, recompute=recompute)
+            if len(settled) == len(self.zeros):
+                return
+
+
 def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node: int,
                       fixed: dict | None = None, base: Layout | None = None):
-    """Groups of layouts that differ only in ZeRO stage and recomputation, fastest recomputation
-    first.
+    """LayoutGrids: for each choice of degrees, micro-batch size, sequence parallelism and
+    schedule, the layouts that differ only in ZeRO stage and recomputation.
 
     A Layout field in `fixed` keeps that value instead of taking the search's options (mbs 0: the
     whole per-rank batch, as train.micro_batch). `base` gives the fields the search does not
@@ -176,10 +205,9 @@ def candidate_layouts(cfg: Config, workload: Workload, gpus: int, gpus_per_node:
                 one = dataclasses.replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, pp_schedule=sched,
                                           pp_virtual=virtual, sp=sp and tp > 1)
                 # One of each set of twins: ZeRO stages that change nothing (dp·cp = 1) are one layout.
-                distinct = {without_ignored(dataclasses.replace(one, zero=z)).zero for z in (0, 1, 2, 3)}
-                zeros = field_options("zero", fixed, sorted(distinct))
-                yield [[dataclasses.replace(one, zero=z, recompute=r) for z in zeros]
-                       for r in field_options("recompute", fixed, RECOMPUTE_ORDER)]
+                shards = "zero" not in ignored_options(dataclasses.replace(one, zero=1))
+                zeros = field_options("zero", fixed, (0, 1, 2, 3) if shards else (0,))
+                yield LayoutGrid(one, tuple(zeros), tuple(field_options("recompute", fixed, RECOMPUTE_ORDER)))
 
 
 # -------------------------------------------------------------------------------------- search
@@ -188,30 +216,24 @@ def search(cfg: Config, workload: Workload, hw: Hardware, runtime: Runtime, gpus
            keep_rejected: int = 200) -> SearchResult:
     result = SearchResult(ranked=[])
     for grid in candidate_layouts(cfg, workload, gpus, hw.gpus_per_node):
-        problem = layout_problem(cfg, workload, grid[0][0], gpus, full_check=False)
+        first = grid.first
+        problem = layout_problem(cfg, workload, first, gpus, full_check=False)
         if problem:
-            _reject(result, grid[0][0], problem, keep_rejected)
+            _reject(result, first, problem, keep_rejected)
             continue
-        # More recomputation only costs time: (zero, recompute) is worth timing only when the same
-        # zero stage did not already fit with cheaper recomputation.
         settled: set[int] = set()
-        for by_zero in grid:
-            for layout in by_zero:
-                if layout.zero in settled:
+        for layout in grid.cheapest(settled):
+            mem = worst_rank_memory(workload, layout, hw, runtime)
+            result.evaluated += 1
+            if mem.total > hw.memory_bytes:
+                relieved = end_relieved(workload, layout, hw, runtime, mem)
+                if relieved is None:
+                    _reject(result, layout, lambda: memory_reason(mem, hw.memory_bytes), keep_rejected)
                     continue
-                mem = worst_rank_memory(workload, layout, hw, runtime)
-                result.evaluated += 1
-                if mem.total > hw.memory_bytes:
-                    relieved = end_relieved(workload, layout, hw, runtime, mem)
-                    if relieved is None:
-                        _reject(result, layout, memory_reason(mem, hw.memory_bytes), keep_rejected)
-                        continue
-                    layout, mem, note = relieved
-                    result.split_notes[layout] = note
-                result.ranked.append(estimate(workload, layout, hw, runtime, mem))
-                settled.add(layout.zero)
-            if len(settled) == len(by_zero):
-                break
+                layout, mem, note = relieved
+                result.split_notes[layout] = note
+            result.ranked.append(estimate(workload, layout, hw, runtime, mem))
+            settled.add(layout.zero)
     rank(result.ranked)
     explain(result.ranked)
     for est in result.ranked:
@@ -272,10 +294,12 @@ def main_reasons(rejected: list[Rejected], total: int = 0, most: int = 2) -> str
     return " and ".join(f'{len(rs)} of {among} layouts because "{rs[0].reason}"' for rs in ranked)
 
 
-def _reject(result: SearchResult, layout: Layout, reason: str, keep: int) -> None:
+def _reject(result: SearchResult, layout: Layout, reason, keep: int) -> None:
+    """Count a rejection and keep the first `keep` with their reason (a sentence, or a function
+    making it: most rejections are only counted)."""
     result.n_rejected += 1
     if len(result.rejected) < keep:
-        result.rejected.append(Rejected(layout, reason))
+        result.rejected.append(Rejected(layout, reason if isinstance(reason, str) else reason()))
 
 
 # ------------------------------------------------------------------------------------- explain

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fivefold.plan.cached_hash import cached_hash, state_without_hash
 from fivefold.plan.lora import Lora
 from fivefold.plan.model_stats import ModelStats, model_stats
 
@@ -13,6 +14,9 @@ from fivefold.plan.model_stats import ModelStats, model_stats
 @dataclass(frozen=True)
 class Precision:
     """Bytes per parameter of each piece of model state (Rajbhandari et al. 2019, ZeRO)."""
+    __hash__ = cached_hash  # computed once: the search's memo tables are keyed by it
+    __getstate__ = state_without_hash
+
     name: str
     param_bytes: int  # weights as the model computes with them (and as ZeRO-1/2 gather them)
     grad_bytes: int  # gradients as they are accumulated and reduced (sharded at ZeRO-2/3)
@@ -46,6 +50,9 @@ PRECISIONS = {
 
 @dataclass(frozen=True)
 class Workload:
+    __hash__ = cached_hash  # computed once: the search's memo tables are keyed by it
+    __getstate__ = state_without_hash
+
     stats: ModelStats
     seq_len: int
     global_batch: int

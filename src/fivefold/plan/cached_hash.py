@@ -1,0 +1,31 @@
+"""A hash computed once per object, for the frozen dataclasses the planner's memo tables are keyed
+by (Workload, Hardware, Runtime, PipelineRank). The generated __hash__ rehashes every field on each
+call, and a search looks its per-rank tables up ~10^5 times with the same few objects: hashing a
+Runtime (~45 fields) cost more than the lookup it served.
+
+Assign both in the class body (a dataclass keeps an explicit __hash__):
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
+The value is the generated hash's (the fields eq compares); it is left out of pickles, since a
+string's hash differs between processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_KEY = "_cached_hash"
+
+
+def cached_hash(self) -> int:
+    try:
+        return self.__dict__[_KEY]
+    except KeyError:
+        value = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)
+                           if (f.hash if f.hash is not None else f.compare)))
+        self.__dict__[_KEY] = value  # beside the fields, so the frozen __setattr__ is not involved
+        return value
+
+
+def state_without_hash(self) -> dict:
+    return {k: v for k, v in self.__dict__.items() if k != _KEY}
