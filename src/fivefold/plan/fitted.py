@@ -1,12 +1,37 @@
-"""Constants fitted on published runs, each with where it came from. Written by
-benchmarks/calibrate_stacks.py (do not edit by hand: rerun the script); the fit set and the rows
-held out are declared there and in FIT_SETS below, and its out-of-sample table is in
-benchmarks/RESULTS.md.
-
-(The constants fitted before issue 53 — H100's matmul efficiency, the nanotron profile's terms,
-the fivefold profiles' elementwise passes, the FP8 speed-up — are still in plan/hardware.py,
-fitted by benchmarks/calibrate_time.py.)
+"""Constants fitted on published runs, each with where it came from: what each is as a physical
+quantity is said beside the profile field it sets (plan/hardware.py). Written by two scripts, each
+its own block (do not edit by hand: rerun the script); each script declares its fit set and the
+rows it holds out, and prints its out-of-sample table (benchmarks/RESULTS.md):
+  benchmarks/calibrate_time.py — the torch stacks' terms (H100's GEMM efficiency, the inter-node
+    latency and the tapered fabric's falloff, the nanotron profile's host and stall terms, the
+    fivefold profiles' elementwise passes, torchao's FP8 speed-up) on the Playbook's and
+    torchtitan's runs; the nanotron and fivefold bands, leave-one-model-out;
+  benchmarks/calibrate_stacks.py — Transformer Engine's GEMM rate and FP8 speed-up (the
+    `megatron` profile) on NVIDIA's NeMo runs; its band, leave-one-model-out.
 """
+
+# --- written by benchmarks/calibrate_time.py
+H100_MATMUL_EFFICIENCY = 0.55
+INTER_NODE_LATENCY_S = 5.7e-05
+TAPERED_FABRIC_NODES = 28.5
+NANOTRON_LAUNCH_S = 8.1e-06
+NANOTRON_COLLECTIVE_HOST_S = 0.000425
+NANOTRON_PP_WAIT_PER_TP_PEER_S = 0.000286
+NANOTRON_SLOT_STALL_S = 0.9
+NANOTRON_DP_BW_EFFICIENCY = 0.92
+NANOTRON_ELEMENTWISE_PASSES = 5.07
+EAGER_ELEMENTWISE_PASSES = 6.1
+COMPILED_ELEMENTWISE_PASSES = 4.76
+FLOAT8_LINEAR_SPEEDUP = 1.4
+NANOTRON_BAND = (0.116, 2.27)
+FIVEFOLD_BAND = (0.077, 0.27)
+TIME_LEAVE_ONE_MODEL_OUT = {}
+TIME_FIT_SETS = {
+    'H100_MATMUL_EFFICIENCY': 'benchmarks/calibrate_time.py (2026-12-01 to 12-05): the Playbook and torchtitan even rows, all in sample',
+    'NANOTRON_BAND': "the Playbook's 1,620 runs, in sample",
+    'FIVEFOLD_BAND': "torchtitan's 18 rows, in sample (issue 41)",
+}
+# --- end of benchmarks/calibrate_time.py
 
 # Megatron-core / Transformer Engine's large-GEMM rate over the torch stacks' on the same GPU
 # (Runtime.matmul_rate of the `megatron` profile): the share of H100's fitted matmul_efficiency

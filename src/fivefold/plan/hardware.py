@@ -2,10 +2,10 @@
 PyTorch stack costs on top of the hardware).
 
 Numbers are datasheet values where a datasheet exists; the few "achievable" constants are fitted
-on two published data sets, the Ultra-Scale Playbook's nanotron runs and torchtitan's PyTorch-native
-runs (`PYTHONPATH=src .venv/bin/python benchmarks/calibrate_time.py`; errors from
-benchmarks/planner_accuracy.py in benchmarks/RESULTS.md, 2026-12-01) and are documented next to
-their value. No constant is fitted per model, per layout or per row.
+on published runs (the Playbook's, torchtitan's, NVIDIA's NeMo runs) and live in plan/fitted.py,
+written by benchmarks/calibrate_time.py and calibrate_stacks.py with their fit sets and errors
+out of sample; what each is physically is said here, by its field. None is fitted per model,
+layout or row.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fivefold.plan.fitted import MEGATRON_BAND, MEGATRON_FP8_SPEEDUP, MEGATRON_MATMUL_RATE
+from fivefold.plan.cached_hash import cached_hash, state_without_hash
+from fivefold.plan import fitted
 from fivefold.plan.peak_flops import PEAK_FLOPS
 
 GB = 1e9
@@ -25,6 +26,8 @@ GiB = 2 ** 30
 
 @dataclass(frozen=True)
 class Hardware:
+    __hash__ = cached_hash  # computed once: the search's memo tables are keyed by it
+    __getstate__ = state_without_hash
     name: str
     peak_flops: float  # dense bf16 (fp32 for the CPU profile), FLOP/s per device
     # Device memory in bytes as the driver reports it (nvidia-smi's "Total" in MiB): a GPU sold as
@@ -39,9 +42,8 @@ class Hardware:
     # Share of the dense peak that a large GEMM (and the fused attention kernel) sustains inside a
     # training step: below a microbenchmark's, since clocks fall under a whole step's power draw.
     # Smaller GEMMs reach less (plan/gemm.py: the fill time below and the memory roofline).
-    # H100: fitted with Runtime.elementwise_passes on the Playbook's and torchtitan's runs
-    # (benchmarks/calibrate_time.py); other GPUs in PROFILES, each with its source.
-    matmul_efficiency: float = 0.55
+    # H100's is fitted (with Runtime.elementwise_passes); other GPUs' in PROFILES, with sources.
+    matmul_efficiency: float = fitted.H100_MATMUL_EFFICIENCY
     # Ramp-up and tail of one GEMM kernel (first wave filling the SMs, K-loop prologue, epilogue,
     # last partial wave): about one wave of 128x256 tiles. With it a 1024^3 bf16 GEMM reaches a
     # quarter of peak and a 4096^3 one two thirds, as published cuBLAS sweeps show on H100 and A100
@@ -49,22 +51,21 @@ class Hardware:
     gemm_fill_s: float = 6e-6
     # Whether the tensor cores run FP8 (Hopper, Blackwell); A100 has none: train.fp8 gains nothing.
     has_fp8: bool = True
-    # Latency of one step of a ring collective (a ring over n ranks takes n-1 steps).
-    intra_latency_s: float = 10e-6  # NVLink hop
-    # IB hop as seen by NCCL rings spanning nodes. Fitted (calibrate_time.py): the Playbook's tp=16
+    intra_latency_s: float = 10e-6  # one ring step of a collective (n ranks: n-1 steps) over NVLink
+    # IB hop as seen by NCCL rings spanning nodes. Fitted: the Playbook's tp=16
     # (2 nodes) and tp=32 (4 nodes) runs at 1 sequence per micro-batch take 8 and 16 ms per layer
     # for every model size, i.e. latency-bound: 8 collectives x (t-1) steps x ~50 us.
-    inter_latency_s: float = 57e-6
+    inter_latency_s: float = fitted.INTER_NODE_LATENCY_S
     # The network between nodes (the [cluster] key `fabric`):
     #   'full_bisection' (default): a rail-optimised fat tree, as DGX SuperPODs and the H100/B200
     #     clusters of the published runs are built: every GPU's NIC reaches any other node at its
     #     full rate, so a collective's bandwidth per GPU does not fall with the nodes it spans;
     #   'tapered': an oversubscribed fabric, where a collective spanning k nodes reaches
     #     nic_bw / (1 + (k - 1) / fabric_nodes) per GPU (more of its traffic crosses the spine,
-    #     shared with other jobs). fabric_nodes = 28.5 was fitted on the Playbook's cluster
-    #     (benchmarks/calibrate_time.py), the one data set that shows such a falloff.
+    #     shared with other jobs). fabric_nodes is fitted on the Playbook's cluster, the one data
+    #     set showing such a falloff.
     fabric: str = "full_bisection"
-    fabric_nodes: float = 28.5
+    fabric_nodes: float = fitted.TAPERED_FABRIC_NODES
     # Nodes under one set of leaf switches (a DGX SuperPOD "scalable unit" is 32 nodes): a job
     # larger than that has every transfer's path cross the spine.
     scalable_unit_nodes: int = 32
@@ -86,7 +87,7 @@ class Hardware:
     def fuses_attention(self, stats) -> bool:
         """Whether this model's attention runs in a fused kernel on this device."""
         distinct_v = stats.v_head_dim not in (0, stats.head_dim)
-        # Windows and sinks run blockwise through the same kernels (models/masked_attention.py),
+        # Windows and sinks run blockwise through the same kernels (models/attention/masked.py),
         # keeping q, k, v, the output and a log-sum-exp: fused, as far as memory goes.
         return self.fused_attention and (self.fused_attention_distinct_v or not distinct_v)
 
@@ -104,7 +105,7 @@ class Hardware:
 # Narayanan et al. 2021 Table 1, each with its framework's profile; benchmarks/RESULTS.md), the
 # odd rows held out; within the sweeps' ratio, at its top: an A100 at 400 W keeps its clocks
 # through a step where an H100 at 700 W does not.
-H100_MATMUL_EFFICIENCY = 0.55
+H100_MATMUL_EFFICIENCY = fitted.H100_MATMUL_EFFICIENCY
 A100_MATMUL_EFFICIENCY = 0.70
 PROFILES: dict[str, Hardware] = {
     "a100": Hardware("a100", peak_flops=PEAK_FLOPS["a100"][0], memory_bytes=81920 * MiB, hbm_bw=2.0 * TB,
@@ -139,9 +140,10 @@ class Runtime:
     Three profiles below: fivefold eager, fivefold compiled (both calibrated on torchtitan's
     PyTorch-native runs, the stack fivefold is built from) and nanotron (the Playbook's runs).
     Every time constant is a physical quantity (a host time per kernel, a share of a bandwidth,
-    a number of passes over memory); none is fitted per model, per layout or per row. The fitted
-    values come from `benchmarks/calibrate_time.py` (command and errors in benchmarks/RESULTS.md).
+    a number of passes over memory); none is fitted per model, per layout or per row (plan/fitted.py).
     """
+    __hash__ = cached_hash  # computed once: the search's memo tables are keyed by it
+    __getstate__ = state_without_hash
     # cuBLAS/NCCL workspaces and allocator fragmentation: memory no tensor of the model owns.
     fixed_bytes: float = 0.5 * GB
     # Which implementation's activations to count (plan/activations.py): 'fivefold' (ours, measured on
@@ -177,7 +179,7 @@ class Runtime:
     slot_stall_s: float = 0.0
     # Elementwise kernels read and write each saved activation this many times over forward and
     # backward (memory-bound work that the matmul efficiency does not cover); compile fuses them.
-    elementwise_passes: float = 6.1
+    elementwise_passes: float = fitted.EAGER_ELEMENTWISE_PASSES
     # Share of tensor-parallel communication the GPU does not hide behind matmuls (fivefold's
     # DTensor TP runs its collectives between the matmuls: nothing hidden).
     tp_exposed_fraction: float = 1.0
@@ -193,9 +195,8 @@ class Runtime:
     step_overhead_s: float = 0.08
     # FP8 linear layers (train.fp8): the rate a large FP8 GEMM reaches over a bf16 one (the FP8
     # peak is 2x; plan/gemm.py), before the casts below. Applied only to a workload that trains in
-    # FP8, on a GPU with FP8 tensor cores. Fitted on torchtitan's float8 rows (torchao's kernels;
-    # benchmarks/calibrate_time.py), held-out rows reported apart.
-    float8_linear_speedup: float = 1.40
+    # FP8, on a GPU with FP8 tensor cores. Fitted on torchtitan's float8 rows (torchao's kernels).
+    float8_linear_speedup: float = fitted.FLOAT8_LINEAR_SPEEDUP
     # Memory traffic per operand element to scale and cast it to FP8 before each GEMM pass (amax
     # read, cast read and write): torchao's separate kernels read bf16 twice and write FP8 once
     # (2 + 2 + 1); Transformer Engine fuses the cast into the producing kernel (about 1).
@@ -270,7 +271,7 @@ class Runtime:
 
     # The calibration's tokens/s error for this profile (median, 90th percentile of |pred/meas-1|),
     # printed as the uncertainty band beside every prediction.
-    tokens_per_sec_error: tuple[float, float] = (0.077, 0.27)  # torchtitan's 18 runs (issue 41's calibration)
+    tokens_per_sec_error: tuple[float, float] = fitted.FIVEFOLD_BAND  # torchtitan's rows, leave-one-model-out
 
     def float8_casts(self, fp8: bool) -> float:
         """Cast traffic per operand element of an FP8 GEMM pass (0 for a bf16 one)."""
@@ -278,22 +279,22 @@ class Runtime:
 
 
 # fivefold eager: calibrated on torchtitan's bf16/FP8 runs (8-512 H100s), the PyTorch-native
-# stack fivefold is built from (benchmarks/calibrate_time.py --profile eager).
+# stack fivefold is built from (plan/fitted.py).
 FIVEFOLD_EAGER = Runtime(fuses_output_loss=True)
 # fivefold with train.compile: Inductor fuses the elementwise chains (fewer passes over memory,
 # fewer and longer kernels).
-FIVEFOLD_COMPILED = dataclasses.replace(FIVEFOLD_EAGER, elementwise_passes=4.76, kernels_per_layer=40,
-                                        regathers_inputs=False, name="fivefold-compiled")
+FIVEFOLD_COMPILED = dataclasses.replace(FIVEFOLD_EAGER, elementwise_passes=fitted.COMPILED_ELEMENTWISE_PASSES,
+                                        kernels_per_layer=40, regathers_inputs=False, name="fivefold-compiled")
 DEFAULT_RUNTIME = FIVEFOLD_EAGER
 # The Playbook's runs were made with nanotron: its activations, async TP linear (part of the tp
 # traffic hidden), fp32 gradient buffers (filled by hooks, as fivefold's) reduced after the last
-# backward, and its own host costs
-# (calibrated on playbook_runs_dev.csv, benchmarks/calibrate_time.py --profile nanotron).
+# backward, and its own host costs (fitted on playbook_runs_dev.csv: plan/fitted.py).
 NANOTRON_RUNTIME = dataclasses.replace(
-    DEFAULT_RUNTIME, activation_recipe="nanotron", launch_s=8.1e-6, collective_host_s=425e-6,
-    pp_cross_node_wait_per_tp_peer_s=0.286e-3, slot_stall_s=0.90,
-    dp_bw_efficiency=0.92, elementwise_passes=5.07, dp_overlap_fraction=0.0,
-    tokens_per_sec_error=(0.116, 2.27),  # the Playbook's 1,620 runs (90th pct: the stalled runs)
+    DEFAULT_RUNTIME, activation_recipe="nanotron", launch_s=fitted.NANOTRON_LAUNCH_S, dp_overlap_fraction=0.0,
+    collective_host_s=fitted.NANOTRON_COLLECTIVE_HOST_S, slot_stall_s=fitted.NANOTRON_SLOT_STALL_S,
+    pp_cross_node_wait_per_tp_peer_s=fitted.NANOTRON_PP_WAIT_PER_TP_PEER_S,
+    dp_bw_efficiency=fitted.NANOTRON_DP_BW_EFFICIENCY, elementwise_passes=fitted.NANOTRON_ELEMENTWISE_PASSES,
+    tokens_per_sec_error=fitted.NANOTRON_BAND,  # the Playbook's runs (90th pct: the stalled runs)
     name="nanotron", overlaps="nothing of dp (fp32 buffers reduced after the last backward); "
     "tp exposed; a stall per pipeline slot beyond 32 nodes (the Playbook's cluster)")
 # torchtitan (PyTorch-native: FSDP2, DTensor TP, torch.distributed.pipelining), compiled as its
@@ -336,9 +337,9 @@ MEGATRON_DEEPSPEED_RUNTIME = dataclasses.replace(
 MEGATRON_RUNTIME = dataclasses.replace(
     MEGATRON_2022_RUNTIME, dp_overlap_fraction=1.0, param_gather_overlapped=True, grad_buffer_bytes=2.0,
     frees_sent_outputs=True, moe_probs_in_activation=True,
-    reduce_bytes=2.0, attention_rate=0.7, matmul_rate=MEGATRON_MATMUL_RATE,
-    float8_linear_speedup=MEGATRON_FP8_SPEEDUP,
-    tokens_per_sec_error=MEGATRON_BAND,  # out of sample: benchmarks/calibrate_stacks.py
+    reduce_bytes=2.0, attention_rate=0.7, matmul_rate=fitted.MEGATRON_MATMUL_RATE,
+    float8_linear_speedup=fitted.MEGATRON_FP8_SPEEDUP,
+    tokens_per_sec_error=fitted.MEGATRON_BAND,  # out of sample: benchmarks/calibrate_stacks.py
     tp_exposed_fraction=0.25, float8_cast_bytes_per_element=1.0, ep_overlap="always", attention_kernel="fused",
     name="megatron", overlaps="tp collectives under the GEMMs (TE userbuffers, a quarter left "
     "exposed), dp gradient reduce-scatter under backward and the weight all-gather under the next "
