@@ -8,6 +8,14 @@ last and, from faulthandler, the Python stack of each of its threads when it die
 as gloo's from one of its threads, otherwise leaves nothing to go on). A rank that does not finish
 within the timeout fails the test (all ranks are killed) instead of hanging the suite. `fn` must be
 defined at module level (it is sent to the ranks by reference).
+
+The ranks are forked from a server process that has imported torch.distributed and fivefold's
+training code once for the whole session (multiprocessing's forkserver with a preload). A spawned
+rank spent 2.7 s of CPU importing them, in every group of ranks of the suite, up to 16 at once on
+two cores; a forked one starts in milliseconds (benchmarks/RESULTS.md, "Ranks forked from a
+preloaded server"). The server imports and computes nothing else, so it holds one
+thread when it forks (safe), and each rank is still a fresh process: nothing one test does in its
+ranks reaches another's. The parent's environment is handed to each rank as it is at the call.
 """
 
 from __future__ import annotations
@@ -34,11 +42,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, timeout_s, fn, args, kwargs, results, stderr_path):
+# Imported once by the server the ranks are forked from (what every multi-rank test reaches).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.pipelining", "torch.distributed.checkpoint", "fivefold.train.trainer"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _rank_main(rank, world_size, port, timeout_s, fn, args, kwargs, results, stderr_path, environ):
     # stderr into a file the parent reads when this rank dies silently; faulthandler writes the stacks there.
     stderr_file = open(stderr_path, "w", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(stderr_file.fileno(), 2)
     faulthandler.enable(file=stderr_file, all_threads=True)
+    # The environment of the call, not the one the fork server started with.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -67,7 +89,7 @@ def _rank_main(rank, world_size, port, timeout_s, fn, args, kwargs, results, std
 def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 600, collective_timeout_s: float | None = None,
                  **kwargs) -> list:
     """fn(*args, **kwargs) on each of `world_size` ranks; returns the values, rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = _free_port()
     # Collectives time out a little before the harness does, so a stuck rank reports itself.
@@ -75,7 +97,8 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 600, collective_
     stderr_dir = tempfile.TemporaryDirectory(prefix="ranks-stderr-")
     stderr_paths = [os.path.join(stderr_dir.name, f"rank{r}.txt") for r in range(world_size)]
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world_size, port, collective_timeout, fn, args, kwargs, results, stderr_paths[r]))
+                         args=(r, world_size, port, collective_timeout, fn, args, kwargs, results, stderr_paths[r],
+                               dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()
