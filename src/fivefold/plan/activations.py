@@ -291,35 +291,42 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
 
     Computed once per the layout fields it reads: not dp (the micro-batches are given), ZeRO or
     HSDP, so a search's ZeRO stages of one layout share it (~55,000 ranks at 8,192 GPUs)."""
-    return activation_bytes_by_fields(workload, activation_fields(layout), prank, rank, micro_batches, hw, runtime)
+    return ranks_activation_bytes(workload, activation_fields(layout), ((rank, prank),), micro_batches, hw,
+                                  runtime)[0]
 
 
 def activation_fields(layout: Layout) -> tuple:
-    """The layout fields a rank's activations read (the key activation_bytes_by_fields takes)."""
+    """The layout fields a rank's activations read (the key ranks_activation_bytes takes)."""
     return (layout.tp, layout.pp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp_schedule,
             layout.pp_virtual, layout.sp, layout.cp_method)
 
 
 def clear_caches() -> None:
     """Forget the memoised counts (for a test that changes the recipe under them)."""
-    activation_bytes_by_fields.cache_clear()
+    ranks_activation_bytes.cache_clear()
     _per_kind_bytes.cache_clear()
 
 
-@lru_cache(maxsize=32768)
-def activation_bytes_by_fields(workload: Workload, fields: tuple, prank: PipelineRank, rank: int,
-                               micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
-    """activation_bytes with the layout given as activation_fields(layout): what a caller pricing
-    many ranks of one layout computes once."""
+@lru_cache(maxsize=16384)
+def ranks_activation_bytes(workload: Workload, fields: tuple, ranks: tuple, micro_batches: int, hw: Hardware,
+                           runtime: Runtime) -> tuple[tuple[float, float], ...]:
+    """activation_bytes of each of `ranks` ((index, pipeline rank) pairs) of a layout given as
+    activation_fields(layout): what a caller pricing a layout's ranks looks up once."""
     tp, pp, cp, ep, mbs, recompute, schedule, virtual, sp, cp_method = fields
     layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, recompute=recompute, pp_schedule=schedule,
                     pp_virtual=virtual, sp=sp, cp_method=cp_method)
+    return tuple(_rank_activation_bytes(workload, layout, fields, prank, rank, micro_batches, hw, runtime)
+                 for rank, prank in ranks)
+
+
+def _rank_activation_bytes(workload: Workload, layout: Layout, fields: tuple, prank: PipelineRank, rank: int,
+                           micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
     tokens = layout.mbs * workload.seq_len / layout.cp  # tokens of one micro-batch on this rank
     fivefold = runtime.activation_recipe == "fivefold"
     counts = in_flight_per_chunk(layout, rank, micro_batches)
-    layers = (tuple(layer for layer, _ in prank.kinds) if workload.lora.rank
-              else _first_of_each_kind(workload.stats, prank.kinds))
-    per_kind, biggest = _per_kind_bytes(workload, fields, layers, hw, runtime)
+    representatives = (tuple(layer for layer, _ in prank.kinds) if workload.lora.rank
+                       else _first_of_each_kind(workload.stats, prank.kinds))
+    per_kind, biggest = _per_kind_bytes(workload, fields, representatives, hw, runtime)
     one_kind = next(iter(per_kind.values())) if len(per_kind) == 1 else None
     s = layout.tp if (layout.tp > 1 and layout.sp) else 1
     stream = workload.stats.dim / s * workload.precision.param_bytes  # one stage output, per token

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from fivefold.plan.activations import activation_bytes_by_fields, activation_fields
+from fivefold.plan.activations import activation_fields, ranks_activation_bytes
 from fivefold.plan.framework_memory import as_recomputed_by, as_run_by, process_bytes
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout
@@ -208,7 +208,7 @@ def _rank_state_bytes(workload: Workload, degrees: tuple, prank: PipelineRank) -
 def rank_memory(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                 prank: PipelineRank, rank: int) -> MemoryBreakdown:
     shared = _LayoutShared(workload, layout, hw, runtime)
-    return shared.breakdown(prank, rank, *shared.rank_parts(prank, rank))
+    return shared.breakdown(prank, rank, *shared.ranks_parts(((rank, prank),))[0])
 
 
 class _LayoutShared:
@@ -223,33 +223,25 @@ class _LayoutShared:
         self.micro_batches = self.layout.micro_batches(self.workload.global_batch)
         self.outside = process_bytes(self.layout, hw)
         self.fixed = self.outside + runtime.fixed_bytes  # framework_memory.fixed_bytes
-        self.state_key = state_degrees(self.layout)
-        self.activation_key = activation_fields(self.layout)
 
-    def rank_parts(self, prank: PipelineRank, rank: int) -> tuple[dict, float, float]:
-        """(model state dict, saved activations, other bytes) of one rank."""
+    def ranks_parts(self, ranks: tuple) -> list[tuple[dict, float, float]]:
+        """(model state dict, saved activations, other bytes) of each of `ranks` ((index, rank)
+        pairs). Each part is looked up once for the whole set: a search meets the same set of
+        ranks at every ZeRO stage (activations) and every recomputation (state)."""
         workload, layout = self.workload, self.layout
-        state = _rank_state_bytes(workload, self.state_key, prank)
-        saved, working = activation_bytes_by_fields(workload, self.activation_key, prank, rank,
-                                                    self.micro_batches, self.hw, self.runtime)
-        other = self.fixed + working
-        if layout.zero >= 3 and prank.layers:
-            stats, pr, lora = workload.stats, workload.precision, workload.lora
-            dense, experts = rank_param_counts(stats, layout, prank)
-            trained = adapter_param_counts(stats, layout, prank, lora) if lora.rank else (dense, experts)
-            # FSDP all-gathers one layer while the previous one computes (prefetch): two unsharded
-            # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.
-            layer = max(sum(layer_param_counts(stats, layout, i)) for i, _ in prank.kinds)
-            grads = (max(sum(layer_adapter_params(stats, layout, i, lora)) for i, _ in prank.kinds)
-                     if lora.rank else layer)  # a frozen weight has no gradient
-            other += layer * 2 * pr.param_bytes + grads * pr.reduce_bytes
-            if layout.pp > 1:
-                # PyTorch's pipeline stage reduce-scatters once, after the step's last backward: the
-                # stage's unsharded gradients accumulate until then.
-                other += sum(trained) * pr.reduce_bytes
-            if layout.split_backward:  # blocks stay gathered from forward to backward (parallel/data/fsdp.py)
-                other += (dense + experts) * pr.param_bytes
-        return state, saved, other
+        states = _states(workload, state_degrees(layout), ranks)
+        activations = ranks_activation_bytes(workload, activation_fields(layout), ranks, self.micro_batches,
+                                             self.hw, self.runtime)
+        parts = [(state, saved, self.fixed + working) for state, (saved, working) in zip(states, activations)]
+        if layout.zero < 3:
+            return parts
+        held = _fsdp_held(workload, (layout.tp, layout.ep, layout.pp, layout.split_backward), ranks)
+        for i, terms in enumerate(held):
+            state, saved, other = parts[i]
+            for term in terms:  # added one by one, as a rank's other bytes always were
+                other += term
+            parts[i] = (state, saved, other)
+        return parts
 
     def breakdown(self, prank: PipelineRank, rank: int, state: dict, saved: float,
                   other: float) -> MemoryBreakdown:
@@ -258,6 +250,38 @@ class _LayoutShared:
                                optimizer=state["optimizer"], activations=saved, other=other,
                                pipeline_rank=rank, outside_allocator=self.outside,
                                detail={"params_per_rank": params, "layers": len(prank.layers)})
+
+
+@lru_cache(maxsize=16384)
+def _states(workload: Workload, degrees: tuple, ranks: tuple) -> tuple[dict, ...]:
+    return tuple(_rank_state_bytes(workload, degrees, prank) for _, prank in ranks)
+
+
+@lru_cache(maxsize=4096)
+def _fsdp_held(workload: Workload, fields: tuple, ranks: tuple) -> tuple[tuple[float, ...], ...]:
+    """What each rank holds at ZeRO-3 beyond its shards, gathered or not yet reduced (FSDP), term by term."""
+    tp, ep, pp, split_backward = fields
+    layout, stats, pr, lora = Layout(tp=tp, ep=ep), workload.stats, workload.precision, workload.lora
+    held = []
+    for _, prank in ranks:
+        terms = []
+        if prank.layers:
+            dense, experts = rank_param_counts(stats, layout, prank)
+            trained = adapter_param_counts(stats, layout, prank, lora) if lora.rank else (dense, experts)
+            # FSDP all-gathers one layer while the previous one computes (prefetch): two unsharded
+            # layers of weights, plus one layer's unsharded gradient before its reduce-scatter.
+            layer = max(sum(layer_param_counts(stats, layout, i)) for i, _ in prank.kinds)
+            grads = (max(sum(layer_adapter_params(stats, layout, i, lora)) for i, _ in prank.kinds)
+                     if lora.rank else layer)  # a frozen weight has no gradient
+            terms.append(layer * 2 * pr.param_bytes + grads * pr.reduce_bytes)
+            if pp > 1:
+                # PyTorch's pipeline stage reduce-scatters once, after the step's last backward: the
+                # stage's unsharded gradients accumulate until then.
+                terms.append(sum(trained) * pr.reduce_bytes)
+            if split_backward:  # blocks stay gathered from forward to backward (parallel/data/fsdp.py)
+                terms.append((dense + experts) * pr.param_bytes)
+        held.append(tuple(terms))
+    return tuple(held)
 
 
 def stage_shape(stats: ModelStats, prank: PipelineRank) -> tuple:
@@ -313,9 +337,10 @@ def worst_rank_memory(workload: Workload, layout: Layout, hw: Hardware,
     the first. Only that rank's breakdown is built: the others are compared by their totals,
     summed as MemoryBreakdown.total sums them."""
     shared = _LayoutShared(workload, layout, hw, runtime)
+    ranks = candidate_ranks(workload, layout)
     worst = worst_total = None
-    for r, prank in candidate_ranks(workload, layout):
-        state, saved, other = parts = shared.rank_parts(prank, r)
+    for (r, prank), parts in zip(ranks, shared.ranks_parts(ranks)):
+        state, saved, other = parts
         total = state["params"] + state["grads"] + state["optimizer"] + saved + other
         if worst is None or total > worst_total:
             worst, worst_total = (prank, r, parts), total
