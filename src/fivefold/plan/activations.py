@@ -291,8 +291,7 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
 
     Computed once per the layout fields it reads: not dp (the micro-batches are given), ZeRO or
     HSDP, so a search's ZeRO stages of one layout share it (~55,000 ranks at 8,192 GPUs)."""
-    return ranks_activation_bytes(workload, activation_fields(layout), ((rank, prank),), micro_batches, hw,
-                                  runtime)[0]
+    return ranks_activation_bytes(workload, activation_fields(layout), ((rank, prank),), micro_batches, hw, runtime)[0]
 
 
 def activation_fields(layout: Layout) -> tuple:
