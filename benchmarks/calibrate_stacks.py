@@ -110,20 +110,21 @@ def quantile(values, q):
 
 
 def write(rate: float, band: tuple[float, float], fp8: float, text: str) -> None:
+    """Replace this script's block of plan/fitted.py (between its markers; calibrate_time.py owns another)."""
+    begin, end = "# --- written by benchmarks/calibrate_stacks.py\n", "# --- end of benchmarks/calibrate_stacks.py\n"
     src = FITTED.read_text()
-    start = src.index("MEGATRON_MATMUL_RATE = ")
-    end = src.index("\n", src.index("FIT_SETS = {"))
-    block = (f"MEGATRON_MATMUL_RATE = {rate:.3f}\n"
+    start, stop = src.index(begin) + len(begin), src.index(end)
+    block = ("# Megatron-core / Transformer Engine's large-GEMM rate over the torch stacks' on the same GPU\n"
+             "# (Runtime.matmul_rate of the `megatron` profile): the share of H100's fitted matmul_efficiency\n"
+             "# that TE's cuBLASLt GEMMs (tuned algorithms, fused epilogues, no framework dispatch between them)\n"
+             "# reach more in a NeMo step.\n"
+             f"MEGATRON_MATMUL_RATE = {rate:.3f}\n"
              f"# The profile's band: median and 90th percentile of |tokens/s error| leave-one-model-out.\n"
              f"MEGATRON_BAND = ({band[0]:.3f}, {band[1]:.3f})\n"
              f"# Transformer Engine's FP8 GEMM rate over its bf16 one, large GEMMs, casts fused (1 byte\n"
              f"# per operand element: Runtime.float8_cast_bytes_per_element).\n"
-             f"MEGATRON_FP8_SPEEDUP = {fp8:.2f}\n\nFIT_SETS = {{")
-    src = src[:start] + block + src[end:]
-    start = src.index("FIT_SETS = {")
-    end = src.index("}\n", start) + 2
-    src = src[:start] + "FIT_SETS = {\n" + text + "}\n" + src[end:]
-    FITTED.write_text(src)
+             f"MEGATRON_FP8_SPEEDUP = {fp8:.2f}\n\nFIT_SETS = {{\n{text}}}\n")
+    FITTED.write_text(src[:start] + block + src[stop:])
 
 
 def main(argv=None) -> int:

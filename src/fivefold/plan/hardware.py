@@ -80,9 +80,8 @@ class Hardware:
     board_watts: float = 700.0
     context_bytes: float = 0.5 * GiB
     comm_buffer_bytes: float = 0.25 * GiB
-    # ... also for a value head dim other than q/k's (MLA): CUDA's memory-efficient kernel takes
-    # one, the CPU flash kernel does not (SDPA then runs its math path).
-    fused_attention_distinct_v: bool = True
+    # ... also for a value head dim other than q/k's (MLA): CUDA's memory-efficient kernel takes one,
+    fused_attention_distinct_v: bool = True  # the CPU flash kernel does not (SDPA runs its math path)
 
     def fuses_attention(self, stats) -> bool:
         """Whether this model's attention runs in a fused kernel on this device."""
@@ -92,9 +91,8 @@ class Hardware:
         return self.fused_attention and (self.fused_attention_distinct_v or not distinct_v)
 
 
-# Dense tensor-core peaks per device, FLOP/s: (bf16, fp32 as TF32), datasheet values. The one
-# table: the profiles below and the trainer's MFU (train/metrics.py, by the name CUDA reports) read it.
-# Datasheet values (NVIDIA SXM parts, DGX/HGX-style nodes of 8 GPUs with one 400 Gb/s NIC per GPU).
+# Datasheet values (NVIDIA SXM parts, DGX/HGX-style nodes of 8 GPUs with one 400 Gb/s NIC per GPU;
+# dense peaks from plan/peak_flops.py, the one table the trainer's MFU reads too).
 # Bus bandwidths are what NCCL reaches, about 80% of the link rate: NVLink 4 moves 450 GB/s each
 # way per GPU, so ~360 GB/s; a 400 Gb/s NIC moves 50 GB/s, so ~40 GB/s.
 # matmul_efficiency by GPU: H100's is fitted (see Hardware). H200/H800 = H100 (the same die and
@@ -306,13 +304,15 @@ TORCHTITAN_RUNTIME = dataclasses.replace(
     "tp and pp exposed")
 # Megatron-LM as published by NVIDIA in 2021-22 (Narayanan et al. 2021; Korthikanti et al. 2022)
 # and as Megatron-DeepSpeed ran MT-NLG and BLOOM: fused elementwise kernels (bias-GeLU,
-# bias-dropout-add, fused softmax and layer norm: the compiled profile's passes), Megatron's own
-# host path (one launch per fused op), tp collectives between the matmuls (exposed), the gradient
-# all-reduce after the last backward (Korthikanti et al. s6.3: "not overlapped").
+# bias-dropout-add, fused softmax and layer norm), Megatron's own host path (one launch per fused
+# op), tp collectives between the matmuls (exposed), the gradient all-reduce after the last
+# backward (Korthikanti et al. s6.3: "not overlapped"). Its fused kernels' passes: Inductor's value that
+# A100's efficiency and the TE rate were fitted with, not moved by a refit of the torch stacks' passes.
+MEGATRON_ELEMENTWISE_PASSES = 4.76
 MEGATRON_2022_RUNTIME = dataclasses.replace(
     FIVEFOLD_COMPILED, regathers_inputs=True, regather_overlapped=True, pp_scatter_gather=True,
     dp_overlap_fraction=0.0, ep_overlap="none", attention_kernel="unfused", grad_accum="fused",
-    selective_recompute="attention_core", fuses_output_loss=False,
+    selective_recompute="attention_core", fuses_output_loss=False, elementwise_passes=MEGATRON_ELEMENTWISE_PASSES,
     tokens_per_sec_error=(0.034, 0.066),  # the 9 Megatron-LM rows of published_runs_dev.csv (Korthikanti et al.)
     name="megatron-2022", overlaps="nothing: tp, pp and the dp all-reduce exposed (A100-era "
     "Megatron-LM and Megatron-DeepSpeed)")
