@@ -11,7 +11,7 @@ Each tp degree runs in fresh local gloo processes. Per rank, train/activation_pr
 what one micro-batch's forward keeps for backward (the planner's check: tests/test_plan_activations
 .py) for the model with 2 and with 4 layers; the difference over 2 layers and the tokens is the bytes
 per layer and token (embedding, output layer and logits cancel). Rank 0's numbers are shown (every
-tp rank keeps the same). `whole` forces the earlier recipe (plan/branch_split.py answering
+tp rank keeps the same). `whole` forces the earlier recipe (plan/memory/branch_split.py answering
 "never apart"); rank 0's CPU time of a step (forward + backward, median of `--steps`; CPU time,
 not wall time, so that other jobs on the machine's cores disturb it less) of both is shown as a
 ratio: the new one recomputes nothing the old did not.

@@ -36,7 +36,7 @@ from vs_transformers import make_config, transformers_round  # noqa: E402
 VARIANTS = {
     "eager": (False, "none", ""),
     # Not a speed run: bytes one batch's forward keeps for backward (train/activation_probe.py)
-    # under each recomputation mode, beside plan/activations.py's prediction for the same layout.
+    # under each recomputation mode, beside plan/memory/activations.py's prediction for the same layout.
     "activations": (False, "none", ""),
     "transformers": (False, "none", ""),
     "compile": (True, "none", ""),

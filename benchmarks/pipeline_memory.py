@@ -9,8 +9,8 @@ one), and runs one real step of the schedule over 8 micro-batches of one 256-tok
 train/pipeline_probe.py records, after every forward, loss and backward action of the rank, the
 bytes of the saved activations it holds (storages its forwards created that something still
 references, and the received inputs of its in-flight micro-batches); the largest is the measured
-peak. Beside it: the planner's `rank_memory(...).activations` for that pipeline rank (plan/memory.py)
-and the micro-batches it counts in flight per chunk (plan/schedule.py in_flight_per_chunk).
+peak. Beside it: the planner's `rank_memory(...).activations` for that pipeline rank (plan/memory/peak.py)
+and the micro-batches it counts in flight per chunk (plan/pipeline/schedule.py in_flight_per_chunk).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def predicted(cfg) -> list[tuple[float, tuple[int, ...]]]:
     """(activation bytes, micro-batches in flight per chunk) of each pipeline rank."""
     from fivefold.plan import DEFAULT_RUNTIME, hardware_for
     from fivefold.plan.layout import layout_from_config
-    from fivefold.plan.memory import rank_memory
-    from fivefold.plan.schedule import in_flight_per_chunk, pipeline_ranks
+    from fivefold.plan.memory.peak import rank_memory
+    from fivefold.plan.pipeline.schedule import in_flight_per_chunk, pipeline_ranks
     from fivefold.plan.workload import workload_from_config
 
     workload, layout, hw = workload_from_config(cfg), layout_from_config(cfg), hardware_for("cpu", 8)

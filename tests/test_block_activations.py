@@ -1,5 +1,5 @@
 """A Llama block keeps for backward what its backward reads, at the count docs/models.md derives
-(plan/activations.py fivefold_layer_bytes): measured per token and layer as the difference between a
+(plan/memory/activations.py fivefold_layer_bytes): measured per token and layer as the difference between a
 2-layer and a 1-layer model's forward (train/activation_probe.py), within 5%, in fp32 and bf16,
 without and with tp2 + sequence parallelism."""
 
@@ -18,7 +18,7 @@ def _layouts(parallel: dict, dtype: str) -> dict:
 
 
 def _per_layer(parallel: dict, dtype: str, measured: dict) -> tuple[float, float]:
-    from fivefold.plan.activations import fivefold_layer_bytes
+    from fivefold.plan.memory.activations import fivefold_layer_bytes
     from fivefold.plan.layout import layout_from_config
     from fivefold.plan.workload import workload_from_config
 

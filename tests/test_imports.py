@@ -210,3 +210,35 @@ def test_rooms_stay_small():
     long = [f"{p.relative_to(PACKAGE)}: {n} lines" for p in MODULES.values()
             if (n := len(p.read_text().splitlines())) > 400]
     assert not long, "files over 400 lines (split them by what they do): " + ", ".join(long)
+
+
+def test_no_folder_holds_more_than_twenty_modules():
+    """A room a reader can take in: past twenty modules, group them by purpose in folders."""
+    crowded = {}
+    for folder in [PACKAGE, *sorted(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > 20:
+            crowded[str(folder.relative_to(PACKAGE.parent))] = len(modules)
+    assert not crowded, f"folders with more than 20 modules at their root: {crowded}"
+
+
+FAMILY_FILES = {"spec.py", "hf.py", "stats.py", "model.py", "rope.py"}  # named once, as a pattern
+
+
+def test_design_names_every_module():
+    """docs/design.md names each module by its path under src/fivefold; a family's folder holds only
+    the files its pattern names."""
+    design = (REPO / "docs" / "design.md").read_text()
+    from fivefold.config.families import FAMILIES
+
+    unnamed = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if path.name == "__init__.py":
+            continue
+        if relative.startswith("models/") and path.parent.name in FAMILIES:
+            if path.name not in FAMILY_FILES:
+                unnamed.append(relative)
+        elif relative not in design:
+            unnamed.append(relative)
+    assert not unnamed, f"modules docs/design.md does not name: {unnamed}"

@@ -147,7 +147,7 @@ def test_schedule_picture_refuses_bad_layout(tmp_path, capsys):
 def test_balanced_split_counts_the_output_layer():
     """The last stage carries the output projection: with a large vocabulary it gets fewer layers."""
     from fivefold.configure import load_config
-    from fivefold.plan.stage_split import balanced_layer_counts, stage_costs
+    from fivefold.plan.pipeline.stage_split import balanced_layer_counts, stage_costs
 
     small_vocab = load_config(None, {"model": {"n_layers": 8}}).model
     assert balanced_layer_counts(*stage_costs(small_vocab, 128), 2) == [4, 4]

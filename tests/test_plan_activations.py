@@ -1,5 +1,5 @@
 """Issue 9's check of activation memory against our own runs: the planner's predicted
-activation bytes per rank ('fivefold' recipe, plan/activations.py) within 10% of what one
+activation bytes per rank ('fivefold' recipe, plan/memory/activations.py) within 10% of what one
 micro-batch's forward really keeps for backward (train/activation_probe.py), for fp32 and bf16
 autocast, tensor (with and without sequence), context and expert parallelism, dense and MoE
 blocks, and each recomputation mode; for the llama-style tiny model and (issue 17) the tiny
@@ -67,7 +67,7 @@ for act in ("gelu", "relu2"):
                       for mode in ("none", "selective")})
 
 # At tp4 selective recomputation checkpoints each residual branch apart and keeps the output
-# projections' inputs instead of their whole outputs (plan/branch_split.py; at tp2 these shapes
+# projections' inputs instead of their whole outputs (plan/memory/branch_split.py; at tp2 these shapes
 # keep the outputs): test_branches_apart_keep_less checks that this is what the measurement sees.
 FOUR_KV = {"model": {"n_kv_heads": 4}}
 FOUR_RANKS = {
@@ -141,7 +141,7 @@ def test_predicted_activations_match_what_the_forward_keeps(measured, label):
 def test_branches_apart_keep_less(measured, label, monkeypatch):
     """The run at tp4 keeps what the branches-apart recipe predicts, not what blocks checkpointed
     whole would (the projections' outputs): the measurement is nearer the first."""
-    import fivefold.plan.activations as activations
+    import fivefold.plan.memory.activations as activations
 
     apart = _predicted(FOUR_RANKS[label])
     monkeypatch.setattr(activations, "split_branches", lambda *args: False)
@@ -226,7 +226,7 @@ def test_mla_width_terms(measured, label, change):
 # ------------------------------------------------------------------------------- pipelines (issue 20)
 # What a pipeline rank holds at its peak: the in-flight micro-batches of each of its stages
 # (train/pipeline_probe.py measures one real step of the schedule), against the planner's count per
-# schedule and per rank (plan/schedule.py in_flight_per_chunk). Eight micro-batches of one
+# schedule and per rank (plan/pipeline/schedule.py in_flight_per_chunk). Eight micro-batches of one
 # sequence; four layers at pp2 and eight at pp4, so that every stage of a two-chunk schedule
 # (interleaved, V) holds one layer or more.
 
@@ -271,8 +271,8 @@ def _measure_pipelines(layouts: dict) -> dict:
 def _predicted_per_rank(overrides: dict) -> list[float]:
     from fivefold.plan import DEFAULT_RUNTIME, hardware_for
     from fivefold.plan.layout import layout_from_config
-    from fivefold.plan.memory import rank_memory
-    from fivefold.plan.schedule import pipeline_ranks
+    from fivefold.plan.memory.peak import rank_memory
+    from fivefold.plan.pipeline.schedule import pipeline_ranks
     from fivefold.plan.workload import workload_from_config
 
     cfg = tiny_config(overrides)
@@ -313,10 +313,10 @@ def test_in_flight_counts_follow_the_schedules_tables(schedule, pp, n_micro):
     rank's peak in the schedule's own action table (parallel/pipeline/schedule_table.py): a forward holds
     until its full backward, or until the weight pass of a split one (the input pass keeps the
     graph). Schedule1F1B runs its own loop (p - rank warm-up forwards), not its printed table."""
-    from fivefold.plan.stage_split import stages_of_rank
+    from fivefold.plan.pipeline.stage_split import stages_of_rank
     from fivefold.parallel.pipeline.schedule_table import action_table
     from fivefold.plan.layout import Layout
-    from fivefold.plan.schedule import in_flight_per_chunk
+    from fivefold.plan.pipeline.schedule import in_flight_per_chunk
 
     virtual = 1 if schedule == "gpipe" else 2
     layout = Layout(pp=pp, pp_schedule=schedule, pp_virtual=virtual)

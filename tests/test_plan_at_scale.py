@@ -7,9 +7,9 @@ from pathlib import Path
 
 from fivefold.configure import load_config
 from fivefold.plan.layout import Layout
-from fivefold.plan.memory import rank_param_counts
+from fivefold.plan.memory.peak import rank_param_counts
 from fivefold.plan.model_stats import model_stats
-from fivefold.plan.schedule import pipeline_ranks
+from fivefold.plan.pipeline.schedule import pipeline_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "rank_shard_on_meta.py"
 

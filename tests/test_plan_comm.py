@@ -220,8 +220,8 @@ def test_ep_borrowing_tp_traffic_and_time_by_hand():
 def test_expert_gradients_reduce_over_the_edp_group_only():
     from fivefold.plan.estimate import estimate
     from fivefold.plan.hardware import DEFAULT_RUNTIME
-    from fivefold.plan.memory import rank_param_counts
-    from fivefold.plan.schedule import pipeline_ranks
+    from fivefold.plan.memory.peak import rank_param_counts
+    from fivefold.plan.pipeline.schedule import pipeline_ranks
 
     # ZeRO-1 (fp32 reduction, bf16 weights: 4 + 2 bytes per parameter) under HSDP, dp4 as 2 shards x
     # 2 replicas, tp2. Dense weights (D per rank): reduce-scatter + all-gather over the shard pair,

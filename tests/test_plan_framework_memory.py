@@ -1,4 +1,4 @@
-"""Memory as each framework holds it (issue 53, plan/framework_memory.py): the gradient buffer's
+"""Memory as each framework holds it (issue 53, plan/memory/framework.py): the gradient buffer's
 dtype, the process's fixed costs, the device's capacity in GiB; and the attention kernel's rate."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import pytest
 
 from fivefold.config import ModelConfig
 from fivefold.config.schema import MoEConfig
-from fivefold.plan.activations import layer_activation_bytes
-from fivefold.plan.attention_time import attention_seconds
+from fivefold.plan.memory.activations import layer_activation_bytes
+from fivefold.plan.speed.attention import attention_seconds
 from fivefold.plan.estimate import estimate
-from fivefold.plan.framework_memory import communicators, process_bytes
+from fivefold.plan.memory.framework import communicators, process_bytes
 from fivefold.plan.hardware import FIVEFOLD_EAGER, MEGATRON_2022_RUNTIME, MEGATRON_RUNTIME, PROFILES, hardware_for
 from fivefold.plan.layout import Layout
-from fivefold.plan.memory import rank_memory
+from fivefold.plan.memory.peak import rank_memory
 from fivefold.plan.model_stats import model_stats
-from fivefold.plan.schedule import in_flight_per_chunk, pipeline_ranks
+from fivefold.plan.pipeline.schedule import in_flight_per_chunk, pipeline_ranks
 from fivefold.plan.workload import PRECISIONS, Workload
 
 GiB = 2 ** 30

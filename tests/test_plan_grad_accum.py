@@ -1,4 +1,4 @@
-"""The gradient-accumulation pass in the planner's time model (issue 41, plan/grad_accum.py): per
+"""The gradient-accumulation pass in the planner's time model (issue 41, plan/speed/grad_accum.py): per
 micro-batch, a memory-bound pass over the weights a rank trains, priced as the framework runs it.
 Pure arithmetic on constructed cases; no timing asserts."""
 
@@ -10,13 +10,13 @@ import pytest
 
 from fivefold.config import ModelConfig
 from fivefold.plan.estimate import estimate
-from fivefold.plan.grad_accum import accumulation_bytes_per_weight
+from fivefold.plan.speed.grad_accum import accumulation_bytes_per_weight
 from fivefold.plan.hardware import FIVEFOLD_EAGER, MEGATRON_2022_RUNTIME, hardware_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import Lora, adapter_param_counts
-from fivefold.plan.memory import rank_param_counts
+from fivefold.plan.memory.peak import rank_param_counts
 from fivefold.plan.model_stats import model_stats
-from fivefold.plan.schedule import pipeline_ranks
+from fivefold.plan.pipeline.schedule import pipeline_ranks
 from fivefold.plan.workload import PRECISIONS, Workload
 
 A100 = hardware_for("a100")

@@ -19,8 +19,8 @@ from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import hardware_for, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config
 from fivefold.plan.lora import adapter_param_counts
-from fivefold.plan.memory import as_trained, rank_memory, rank_state_bytes
-from fivefold.plan.schedule import pipeline_ranks
+from fivefold.plan.memory.peak import as_trained, rank_memory, rank_state_bytes
+from fivefold.plan.pipeline.schedule import pipeline_ranks
 from fivefold.plan.workload import workload_from_config
 
 

@@ -1,7 +1,7 @@
 """Two-matrix MLPs (GeLU, squared ReLU: GPT-3, Nemotron-4) in the planner, issue 41: model statistics
 with 2 h f MLP parameters are priced as what such an MLP runs and keeps, not as a SwiGLU look-alike:
 two GEMMs (models/decoder_stats.py ModelStats.mlp_matrices), and activations of the up projection's output and the
-activation's output (plan/activations.py) instead of SwiGLU's gate, up and product."""
+activation's output (plan/memory/activations.py) instead of SwiGLU's gate, up and product."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 
 from fivefold.configure import load_config
-from fivefold.plan.activations import layer_activation_bytes, layer_activation_elements
+from fivefold.plan.memory.activations import layer_activation_bytes, layer_activation_elements
 from fivefold.plan.estimate import estimate
-from fivefold.plan.gemm import layer_gemms
+from fivefold.plan.speed.gemm import layer_gemms
 from fivefold.plan.hardware import hardware_for, runtime_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.workload import workload_from_config

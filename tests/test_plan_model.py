@@ -13,11 +13,11 @@ from fivefold.plan import comm
 from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import DEFAULT_RUNTIME, NANOTRON_RUNTIME, hardware_for
 from fivefold.plan.layout import Layout, parse_layout
-from fivefold.plan.activations import fivefold_layer_bytes, layer_activation_elements
-from fivefold.plan.memory import model_state_bytes, rank_memory, rank_param_counts, worst_rank_memory
+from fivefold.plan.memory.activations import fivefold_layer_bytes, layer_activation_elements
+from fivefold.plan.memory.peak import model_state_bytes, rank_memory, rank_param_counts, worst_rank_memory
 from fivefold.plan.model_stats import model_stats
-from fivefold.plan.stage_split import balanced_layer_counts
-from fivefold.plan.schedule import (bubble_fraction, in_flight_chunks,
+from fivefold.plan.pipeline.stage_split import balanced_layer_counts
+from fivefold.plan.pipeline.schedule import (bubble_fraction, in_flight_chunks,
                                     pipeline_ranks)
 from fivefold.plan.workload import PRECISIONS, workload_from_config
 

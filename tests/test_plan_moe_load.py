@@ -1,4 +1,4 @@
-"""MoE load imbalance in the planner (issue 41, plan/expert_load.py): the busiest expert-parallel
+"""MoE load imbalance in the planner (issue 41, plan/speed/expert_load.py): the busiest expert-parallel
 rank's routed rows set an MoE layer's expert GEMMs, all-to-all and kept copies. The default, the
 least that random routing gives, is checked against simulated routing; a measured imbalance and a
 capacity factor against the arithmetic they stand for. Pure arithmetic; no timing asserts."""
@@ -15,10 +15,10 @@ import torch
 
 from fivefold.config import ModelConfig
 from fivefold.config.schema import MoEConfig
-from fivefold.plan.activations import fivefold_layer_bytes
+from fivefold.plan.memory.activations import fivefold_layer_bytes
 from fivefold.plan.estimate import estimate
-from fivefold.plan.gemm import M_TILE, expected_padded_rows
-from fivefold.plan.expert_load import expected_max_normal, rank_imbalance, routing_noise_imbalance
+from fivefold.plan.speed.gemm import M_TILE, expected_padded_rows
+from fivefold.plan.speed.expert_load import expected_max_normal, rank_imbalance, routing_noise_imbalance
 from fivefold.plan.hardware import FIVEFOLD_EAGER, hardware_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import model_stats

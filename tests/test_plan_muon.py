@@ -18,7 +18,7 @@ from fivefold.plan.hardware import hardware_for, runtime_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.block_matrices import block_matrices
 from fivefold.plan.muon import BUCKET_BYTES
-from fivefold.plan.schedule import pipeline_ranks
+from fivefold.plan.pipeline.schedule import pipeline_ranks
 from fivefold.plan.workload import workload_from_config
 
 NS_PRODUCTS = 5 * 3  # Newton–Schulz: 5 steps of three GEMMs (torch.optim._muon._zeropower_via_newtonschulz)

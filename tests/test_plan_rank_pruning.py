@@ -1,4 +1,4 @@
-"""worst_rank_memory evaluates only the pipeline ranks that can hold the most (plan/memory.py
+"""worst_rank_memory evaluates only the pipeline ranks that can hold the most (plan/memory/peak.py
 candidate_ranks, issue 53's search speed): the answer must be the one every rank gives, under each
 schedule, with micro-batch counts that clip the in-flight counts and with MoE and dense stages."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from fivefold.configure import load_config
-from fivefold.plan import memory
+from fivefold.plan.memory import peak as memory
 from fivefold.plan.hardware import hardware_for, runtime_for
 from fivefold.plan.layout import Layout
-from fivefold.plan.schedule import pipeline_ranks
+from fivefold.plan.pipeline.schedule import pipeline_ranks
 from fivefold.plan.workload import workload_from_config
 
 

@@ -7,8 +7,8 @@ from fivefold.configure import load_config
 from fivefold.configure import validate
 from fivefold.plan import hardware_for, runtime_for
 from fivefold.plan.layout import config_with_layout, parse_layout
-from fivefold.plan.memory import worst_rank_memory
-from fivefold.plan.schedule import balanced_sizes, parse_pp_layers
+from fivefold.plan.memory.peak import worst_rank_memory
+from fivefold.plan.pipeline.schedule import balanced_sizes, parse_pp_layers
 from fivefold.plan.search import end_relieved
 from fivefold.plan.workload import workload_from_config
 

@@ -10,7 +10,7 @@ import pytest
 
 from fivefold.config import ModelConfig
 from fivefold.config.schema import MoEConfig
-from fivefold.plan import gemm
+from fivefold.plan.speed import gemm
 from fivefold.plan.estimate import estimate
 from fivefold.plan.hardware import (FIVEFOLD_EAGER, FRAMEWORKS, MEGATRON_2022_RUNTIME, MEGATRON_RUNTIME,
                                     hardware_for, runtime_for)
@@ -143,7 +143,7 @@ def test_every_framework_profile_says_what_it_overlaps():
 
 
 def test_unfused_attention_costs_most_where_the_scores_outweigh_the_projections():
-    """Megatron-LM 2021-22's core attention (plan/attention_time.py): the s x s scores go through
+    """Megatron-LM 2021-22's core attention (plan/speed/attention.py): the s x s scores go through
     memory and the score GEMMs are skinny, so a narrow model with long sequences loses a larger
     share of its step than a wide one; the fused kernel's time does not depend on it."""
     a100 = hardware_for("a100")

@@ -68,7 +68,7 @@ def test_build_refuses_a_rank_outside_the_layout():
                          ids=["dp2-zero1", "tp2"])
 def test_muon_holds_the_one_momentum_the_planner_predicts(layout):
     """train.optimizer = muon: the block matrices' one momentum instead of AdamW's two moments, in
-    ZeRO chunks and tensor-parallel shards alike, as the planner counts it (plan/memory.py)."""
+    ZeRO chunks and tensor-parallel shards alike, as the planner counts it (plan/memory/peak.py)."""
     from fivefold.configure import load_config
     from fivefold.tools.rank_build import planned_state_bytes
 

@@ -25,7 +25,7 @@ KEEP_GATHERED = 4  # TP2_LAYOUTS' index of the sp_keep_gathered layout
 FOUR_RANK_LAYOUTS = [
     {"parallel": {"tp": 4}, "model": {"n_kv_heads": 4}},  # tp must divide the kv heads
     # Selective recomputation at tp4 checkpoints each residual branch apart and keeps the output
-    # projections' inputs (plan/branch_split.py; the single process checkpoints blocks whole).
+    # projections' inputs (plan/memory/branch_split.py; the single process checkpoints blocks whole).
     {"parallel": {"tp": 4}, "model": {"n_kv_heads": 4}, "train": {"recompute": "selective"}},
     {"parallel": {"tp": 4}, "model": {"n_kv_heads": 4, **MOE}, "train": {"recompute": "selective"}},
     {"parallel": {"dp": 2, "tp": 2, "zero": 1}},

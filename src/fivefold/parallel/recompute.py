@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fivefold.models.spec import TP
-from fivefold.plan.branch_split import split_branches
+from fivefold.plan.memory.branch_split import split_branches
 from fivefold.parallel.stream_projection import keep_projection_inputs, project
 from fivefold.torch_internals import aten_op, has_aten_op
 
@@ -86,7 +86,7 @@ def apply_recompute(blocks: nn.ModuleDict, mode: str, block_plan=lambda index: {
     """Wrap each block for `mode`. `block_plan(index)` is the tensor-parallel plan of block `index`
     (module path -> style), which names the output projections; stream_split and compute_bytes
     (the ranks sharing the stream's tokens, the autocast dtype's size) decide whether the branches
-    are checkpointed apart (plan/branch_split.py). `low_rank` (lora.rank, 0 without LoRA): under
+    are checkpointed apart (plan/memory/branch_split.py). `low_rank` (lora.rank, 0 without LoRA): under
     selective recomputation the adapters' up-projections are redone, not kept."""
     if mode == "none":
         return

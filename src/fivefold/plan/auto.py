@@ -22,7 +22,7 @@ from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig, p
 from fivefold.plan.estimate import Estimate, estimate
 from fivefold.plan.hardware import PROFILES, Hardware, Runtime, hardware_for, hardware_from_cluster
 from fivefold.plan.layout import Layout, config_with_layout
-from fivefold.plan.memory import worst_rank_memory
+from fivefold.plan.memory.peak import worst_rank_memory
 from fivefold.plan.search import (candidate_layouts, divisors, explain, field_options, layout_problem, memory_reason,
                                   rank)
 from fivefold.plan.workload import workload_from_config

@@ -21,7 +21,7 @@ from fivefold.plan.goodput import goodput
 from fivefold.plan.hardware import FRAMEWORKS, PROFILES, hardware_from_cluster, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
 from fivefold.plan.report import plot_memory, table, to_json
-from fivefold.plan.short_chunks import NOTE as SHORT_CHUNKS_NOTE, planner_only, trainer_stand_in
+from fivefold.plan.pipeline.short_chunks import NOTE as SHORT_CHUNKS_NOTE, planner_only, trainer_stand_in
 from fivefold.config.file_errors import guarded, need_output_file
 from fivefold.plan.search import (explain, explain_single, layout_problem, leanest_layout, main_reasons, search,
                                   smallest_fitting_cluster)

@@ -3,8 +3,8 @@ tokens/s per GPU, MFU and the pipeline bubble.
 
 Time model of a step (per pipeline rank r, per micro-batch):
   gpu(r)  = matmuls at the achievable fraction of peak (an MoE layer's experts at the busiest ep
-            rank's rows: plan/expert_load.py) + memory-bound elementwise work + the gradient-
-            accumulation pass (plan/grad_accum.py) + exposed tp / cp / ep / pp communication
+            rank's rows: plan/speed/expert_load.py) + memory-bound elementwise work + the gradient-
+            accumulation pass (plan/speed/grad_accum.py) + exposed tp / cp / ep / pp communication
   host(r) = kernels x launch time + collectives x host time per collective (Runtime)
   t_mb    = max over ranks of max(gpu(r), host(r))   (the host runs ahead: launches of kernels
             longer than a launch are hidden)
@@ -22,20 +22,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from fivefold.plan import comm, gemm
-from fivefold.plan.attention_time import attention_seconds
-from fivefold.plan.expert_load import rank_imbalance
-from fivefold.plan.framework_memory import as_recomputed_by, as_run_by
-from fivefold.plan.grad_accum import accumulation_bytes_per_weight
+from fivefold.plan import comm
+
+from fivefold.plan.speed import gemm
+from fivefold.plan.speed.attention import attention_seconds
+from fivefold.plan.speed.expert_load import rank_imbalance
+from fivefold.plan.memory.framework import as_recomputed_by, as_run_by
+from fivefold.plan.speed.grad_accum import accumulation_bytes_per_weight
 from fivefold.plan.hardware import Hardware, Runtime, on_stack
 from fivefold.plan.layout import Layout
-from fivefold.plan.activations import keeps_gathered, rank_activation_elements
-from fivefold.plan.memory import (MemoryBreakdown, expert_shard_degree, rank_param_counts, root_params,
+from fivefold.plan.memory.activations import keeps_gathered, rank_activation_elements
+from fivefold.plan.memory.peak import (MemoryBreakdown, expert_shard_degree, rank_param_counts, root_params,
                                   worst_rank_memory)
 from fivefold.models.block_weights import adapter_params_per_token
 from fivefold.plan.lora import adapter_param_counts, backward_share, matmul_share
 from fivefold.plan.muon import muon_step
-from fivefold.plan.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
+from fivefold.plan.pipeline.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
                                     pipeline_ranks)
 from fivefold.plan.workload import Workload
 
@@ -57,7 +59,7 @@ class Estimate:
     profile: str = ""  # the runtime profile (framework) the time was predicted for
     overlaps: str = ""  # what that framework overlaps
     muon: dict = field(default_factory=dict)  # train.optimizer = muon: where its work goes (plan/muon.py)
-    moe_rank_imbalance: float = 1.0  # the busiest ep rank's routed rows over the mean (plan/expert_load.py)
+    moe_rank_imbalance: float = 1.0  # the busiest ep rank's routed rows over the mean (plan/speed/expert_load.py)
     goodput: object = None  # plan/goodput.py Goodput, attached by the command line (train.steps' cost)
 
     @property
@@ -107,7 +109,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
                      prank: PipelineRank, links: dict, m: int, imbalance: float) -> tuple[dict, dict]:
     """(seconds by cause, bytes by dimension) of one micro-batch's forward + backward on one
     pipeline rank; m micro-batches a step, `imbalance` the busiest ep rank's routed rows over the
-    mean (plan/expert_load.py), which sets an MoE layer's pace."""
+    mean (plan/speed/expert_load.py), which sets an MoE layer's pace."""
     stats, pr, seq = workload.stats, workload.precision, workload.seq_len
     groups = prank.kinds
     n_layers = len(prank.layers)
@@ -115,7 +117,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
     tokens_mb = layout.mbs * seq  # one micro-batch of one data-parallel rank
     tokens_local = tokens_mb / layout.cp
 
-    # Matmuls, each kind of layer at its GEMMs' efficiency (plan/gemm.py: by shape and GPU). The
+    # Matmuls, each kind of layer at its GEMMs' efficiency (plan/speed/gemm.py: by shape and GPU). The
     # dense GEMMs see the rank's whole local sequence (sequence parallelism gathers it) and 1/tp
     # of the weights; MoE layers split their tokens over tp (parallel/tensor/apply.py).
     # LoRA: the frozen base's matmuls compute no weight gradient (plan/lora.py matmul_share).
@@ -155,7 +157,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
         traffic += 2 * tokens_local * stats.vocab_size / layout.tp * runtime.logits_bytes_per_element
     compute += traffic / hw.hbm_bw
     # Each micro-batch's weight gradients join the accumulated ones: a pass over the rank's trained
-    # weights (plan/grad_accum.py).
+    # weights (plan/speed/grad_accum.py).
     trained = (sum(adapter_param_counts(stats, layout, prank, workload.lora)) if workload.lora.rank
                else sum(rank_param_counts(stats, layout, prank)))
     compute += trained * accumulation_bytes_per_weight(pr, layout, runtime, m) / hw.hbm_bw
@@ -294,9 +296,9 @@ def _model_flops_per_token(stats, seq_len: int, lora) -> float:
 def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
              memory: MemoryBreakdown | None = None) -> Estimate:
     """Predict one layout (memory may be passed in when the caller already computed it)."""
-    workload = as_run_by(workload, runtime)  # the framework's gradient buffer (plan/framework_memory.py)
+    workload = as_run_by(workload, runtime)  # the framework's gradient buffer (plan/memory/framework.py)
     memory = memory or worst_rank_memory(workload, layout, hw, runtime)
-    # Megatron's selective recomputation runs as 'none' where attention is fused (plan/framework_memory.py)
+    # Megatron's selective recomputation runs as 'none' where attention is fused (plan/memory/framework.py)
     given, layout = layout, as_recomputed_by(layout, runtime, hw, workload.stats)
     hw = on_stack(hw, runtime.matmul_rate)  # the framework's GEMM kernels (Runtime.matmul_rate)
     stats, pr = workload.stats, workload.precision

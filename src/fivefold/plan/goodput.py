@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fivefold.plan.memory import rank_param_counts
-from fivefold.plan.schedule import pipeline_ranks
+from fivefold.plan.memory.peak import rank_param_counts
+from fivefold.plan.pipeline.schedule import pipeline_ranks
 
 DEFAULTS = {"mtbf_gpu_hours": 16384 * 54 * 24 / 419, "restart_s": 600.0, "storage_gbps": 1.0,
             "usd_per_gpu_hour": 2.0}

@@ -41,13 +41,13 @@ class Hardware:
     gpus_per_node: int = 8
     # Share of the dense peak that a large GEMM (and the fused attention kernel) sustains inside a
     # training step: below a microbenchmark's, since clocks fall under a whole step's power draw.
-    # Smaller GEMMs reach less (plan/gemm.py: the fill time below and the memory roofline).
+    # Smaller GEMMs reach less (plan/speed/gemm.py: the fill time below and the memory roofline).
     # H100's is fitted (with Runtime.elementwise_passes); other GPUs' in PROFILES, with sources.
     matmul_efficiency: float = fitted.H100_MATMUL_EFFICIENCY
     # Ramp-up and tail of one GEMM kernel (first wave filling the SMs, K-loop prologue, epilogue,
     # last partial wave): about one wave of 128x256 tiles. With it a 1024^3 bf16 GEMM reaches a
     # quarter of peak and a 4096^3 one two thirds, as published cuBLAS sweeps show on H100 and A100
-    # (NVIDIA's "Matrix Multiplication Background" guide; plan/gemm.py).
+    # (NVIDIA's "Matrix Multiplication Background" guide; plan/speed/gemm.py).
     gemm_fill_s: float = 6e-6
     # Whether the tensor cores run FP8 (Hopper, Blackwell); A100 has none: train.fp8 gains nothing.
     has_fp8: bool = True
@@ -70,7 +70,7 @@ class Hardware:
     # larger than that has every transfer's path cross the spine.
     scalable_unit_nodes: int = 32
     fused_attention: bool = True  # FlashAttention-style kernel: no s^2 score matrix is stored
-    # Fixed memory every process on the device pays before any tensor (plan/framework_memory.py):
+    # Fixed memory every process on the device pays before any tensor (plan/memory/framework.py):
     # the CUDA context with its loaded kernels (CUDA 12 lazy loading: ~0.5 GiB measured by
     # PyTorch on A100/H100, "CUDA semantics: memory management"); and the buffers of each NCCL
     # communicator the rank joins: NCCL_BUFFSIZE (4 MiB) per channel for each of the send and
@@ -144,7 +144,7 @@ class Runtime:
     __getstate__ = state_without_hash
     # cuBLAS/NCCL workspaces and allocator fragmentation: memory no tensor of the model owns.
     fixed_bytes: float = 0.5 * GB
-    # Which implementation's activations to count (plan/activations.py): 'fivefold' (ours, measured on
+    # Which implementation's activations to count (plan/memory/activations.py): 'fivefold' (ours, measured on
     # our runs) or 'nanotron' (the Playbook's runs, for benchmarks/planner_accuracy.py).
     activation_recipe: str = "fivefold"
     # 'nanotron' recipe: bytes per logit element held at the loss: bf16 logits (2), the fp32 copy
@@ -192,7 +192,7 @@ class Runtime:
     # clipping, zeroing, loss reduction, logging (many small kernels per parameter tensor).
     step_overhead_s: float = 0.08
     # FP8 linear layers (train.fp8): the rate a large FP8 GEMM reaches over a bf16 one (the FP8
-    # peak is 2x; plan/gemm.py), before the casts below. Applied only to a workload that trains in
+    # peak is 2x; plan/speed/gemm.py), before the casts below. Applied only to a workload that trains in
     # FP8, on a GPU with FP8 tensor cores. Fitted on torchtitan's float8 rows (torchao's kernels).
     float8_linear_speedup: float = fitted.FLOAT8_LINEAR_SPEEDUP
     # Memory traffic per operand element to scale and cast it to FP8 before each GEMM pass (amax
@@ -218,10 +218,10 @@ class Runtime:
     # GEMMs are fitted on NVIDIA's published runs (plan/fitted.py).
     matmul_rate: float = 1.0
     # What recompute = 'selective' recomputes: 'blocks' (fivefold: norms, activations and, where
-    # smaller, each residual branch apart: parallel/recompute.py, plan/branch_split.py) or
+    # smaller, each residual branch apart: parallel/recompute.py, plan/memory/branch_split.py) or
     # 'attention_core' (Megatron-LM / Megatron-core: only the core attention, Korthikanti et al.
     # 2022 s4.2; with a fused attention kernel no s x s scores are kept, so it keeps what 'none'
-    # keeps: plan/framework_memory.py).
+    # keeps: plan/memory/framework.py).
     selective_recompute: str = "blocks"
     # Gradient buffer bytes per weight when the framework keeps its gradients in another dtype than
     # the precision recipe (0: the recipe's). Megatron-core's performance recipes (NeMo 2,
@@ -233,7 +233,7 @@ class Runtime:
     frees_sent_outputs: bool = False
     # Megatron-core's grouped experts apply the router's weights inside the activation (weighted
     # SwiGLU): a routed copy keeps its input, fc1's output and the weighted activation (h + 3f),
-    # not fivefold's dispatched, combined and weighted copies (3h + 3f; plan/activations.py).
+    # not fivefold's dispatched, combined and weighted copies (3h + 3f; plan/memory/activations.py).
     moe_probs_in_activation: bool = False
     # fivefold's output layer computes its loss chunk by chunk and keeps no logits (models/linear_
     # cross_entropy.py); the other stacks make and keep the micro-batch's logits.
@@ -244,7 +244,7 @@ class Runtime:
     # and ~300 backward against ~750 for cuBLAS (Shah et al. 2024, FlashAttention-3, Figs. 5-7);
     # the value the fitted constants were fitted with (the full square at the GEMM rate).
     attention_rate: float = 0.5
-    # The attention core's kernels (plan/attention_time.py): 'fused' (FlashAttention and its kin)
+    # The attention core's kernels (plan/speed/attention.py): 'fused' (FlashAttention and its kin)
     # or 'unfused' (Megatron-LM 2021-22: batched score GEMMs, the s x s scores through memory for
     # softmax and dropout, the core's forward recomputed in backward under selective recomputation).
     attention_kernel: str = "fused"
@@ -256,7 +256,7 @@ class Runtime:
     overlaps: str = ("dp gradient buckets under the last backward (zero 0/1), every backward "
                      "(zero 2), FSDP prefetch (zero 3); ring attention under its blocks; expert "
                      "all-to-all only under dualpipev; tp and pp exposed")
-    # How each micro-batch's weight gradients join the step's accumulated ones (plan/grad_accum.py):
+    # How each micro-batch's weight gradients join the step's accumulated ones (plan/speed/grad_accum.py):
     # 'hooks' (fivefold, nanotron: a gradient hook adds the 16-bit gradient into the fp32 buffer, an
     # elementwise pass over the rank's trained weights; fp32 weights: autograd adds in place),
     # 'fused' (Megatron's gradient-accumulation fusion: the weight-gradient GEMM accumulates into

@@ -1,5 +1,5 @@
 """LoRA ([lora], models/lora/adapters.py) in the planner: the adapters a rank holds, and what they add to a
-block's activations. The base weights are frozen: they keep their weights' bytes (plan/memory.py:
+block's activations. The base weights are frozen: they keep their weights' bytes (plan/memory/peak.py:
 bf16 or fp32 as the recipe stores weights, whole under ZeRO-1/2, sharded by FSDP2 at zero 3) but
 no gradients, optimizer state or master copy. Only the adapters are trained (AdamW: LoRA refuses
 Muon), reduced and sharded like any trainable weight.
@@ -17,7 +17,7 @@ keeps the dropped copy of x and its mask (1 byte per element); selective recompu
 wide as W's output (it costs r/in of W's matmul); full recomputation keeps nothing more than the
 block input. Experts' adapters see each
 token's top_k copies, and an MoE layer's matmuls 1/tp of the tokens (parallel/tensor/apply.py).
-What only a weight's gradient reads is no longer kept (plan/activations.py): the frozen output
+What only a weight's gradient reads is no longer kept (plan/memory/activations.py): the frozen output
 layer's input, an fp32 norm's x·rstd. On the tiny model (one process, tests/test_plan_lora.py)
 that is the measured difference to the byte under selective and full recomputation (0.1% off
 with dropout); without recomputation and dropout the run keeps 3% less than counted here.
@@ -33,7 +33,7 @@ from fivefold.models.block_weights import COLS, ROWS
 from fivefold.plan.block_matrices import BlockMatrix, block_matrices
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
-from fivefold.plan.schedule import PipelineRank
+from fivefold.plan.pipeline.schedule import PipelineRank
 
 MASK_BYTES = 1  # dropout's mask: one bool per element
 

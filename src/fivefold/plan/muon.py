@@ -25,7 +25,7 @@ work at the same time even where a bucket holds one matrix (a large model's). Un
 the tp-split tensors and the others are windowed apart (they share windows in the trainer: a
 slight over-estimate). The step is exposed:
 it runs after the last backward. Newton–Schulz is 5 steps of three bf16 products of the small
-side's Gram (A = X Xᵀ, B = bA + cA², X ← aX + BX), each a GEMM at plan/gemm.py's rate.
+side's Gram (A = X Xᵀ, B = bA + cA², X ← aX + BX), each a GEMM at plan/speed/gemm.py's rate.
 Muon's elementwise passes (momentum, Nesterov, decay, the update) stay in estimate.py's optimizer
 term: one moment instead of AdamW's two, but unfused, about the same bytes per element.
 """
@@ -39,12 +39,12 @@ from functools import lru_cache
 
 from fivefold.plan import comm
 from fivefold.plan.block_matrices import BlockMatrix, block_matrices
-from fivefold.plan.gemm import Gemm, gemm_seconds
+from fivefold.plan.speed.gemm import Gemm, gemm_seconds
 from fivefold.plan.hardware import Hardware
 from fivefold.plan.layout import Layout
-from fivefold.plan.memory import as_trained
+from fivefold.plan.memory.peak import as_trained
 from fivefold.plan.model_stats import ModelStats
-from fivefold.plan.schedule import PipelineRank
+from fivefold.plan.pipeline.schedule import PipelineRank
 
 NS_STEPS = 5  # torch.optim.Muon's DEFAULT_NS_STEPS (train/muon.py runs torch's own iteration)
 # The update Muon gathers is the momentum of the fp32 gradient: fp32 in every recipe (bf16 too).
@@ -62,7 +62,7 @@ def ns_flops(shape: tuple[int, int]) -> float:
 
 @lru_cache(maxsize=4096)
 def ns_seconds(shape: tuple[int, int], hw: Hardware) -> float:
-    """One matrix's Newton–Schulz: its three products per step, each a bf16 GEMM (plan/gemm.py:
+    """One matrix's Newton–Schulz: its three products per step, each a bf16 GEMM (plan/speed/gemm.py:
     compute or memory bound, plus a kernel's fill)."""
     s, l = sorted(shape)
     return sum(gemm_seconds(Gemm(m, n, k, count=NS_STEPS), hw)

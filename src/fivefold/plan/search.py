@@ -19,8 +19,8 @@ from fivefold.config.pipeline_rules import micro_batch_problem, pipeline_problem
 from fivefold.plan.estimate import Estimate, estimate
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout, config_with_layout
-from fivefold.plan.memory import rank_memory, worst_rank_memory
-from fivefold.plan.schedule import END_RELIEFS, end_relieved_splits, pipeline_ranks
+from fivefold.plan.memory.peak import rank_memory, worst_rank_memory
+from fivefold.plan.pipeline.schedule import END_RELIEFS, end_relieved_splits, pipeline_ranks
 from fivefold.plan.workload import Workload
 from fivefold.config.validate import ignored_options
 from fivefold.configure import validate
@@ -244,7 +244,7 @@ def search(cfg: Config, workload: Workload, hw: Hardware, runtime: Runtime, gpus
 
 def end_relieved(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime, balanced):
     """A layout that does not fit with the FLOP-balanced stage split, with the first split that
-    gives the pipeline's ends fewer layers and fits (plan/schedule.py end_relieved_splits): (layout,
+    gives the pipeline's ends fewer layers and fits (plan/pipeline/schedule.py end_relieved_splits): (layout,
     its memory, why), or None."""
     if layout.pp == 1 or layout.pp_layers or balanced.pipeline_rank not in (0, layout.pp - 1):
         return None

@@ -58,11 +58,11 @@ class Workload:
     global_batch: int
     precision: Precision
     order: tuple[str, ...] = ("pp", "dp", "cp", "tp")  # outermost first
-    keep_gathered: bool = False  # parallel.sp_keep_gathered (plan/activations.py)
+    keep_gathered: bool = False  # parallel.sp_keep_gathered (plan/memory/activations.py)
     fp8: str = ""  # train.fp8: "" or the recipe; only then do the projections' matmuls get the FP8 speed-up
-    muon: bool = False  # train.optimizer = muon: the block matrices keep one moment (plan/memory.py)
+    muon: bool = False  # train.optimizer = muon: the block matrices keep one moment (plan/memory/peak.py)
     lora: Lora = Lora()  # [lora]: rank > 0 trains adapters only, the base frozen (plan/lora.py)
-    # The busiest ep rank's routed rows over the mean (plan/expert_load.py): measured
+    # The busiest ep rank's routed rows over the mean (plan/speed/expert_load.py): measured
     # (`fivefold plan --moe-rank-imbalance`, the trainer's moe_rank_imbalance), 0 = routing noise only.
     moe_rank_imbalance: float = 0.0
     capacity_factor: float = 0.0  # model.moe.capacity_factor: caps the imbalance; 0 = dropless

@@ -54,8 +54,8 @@ def held_state_bytes(par) -> dict[str, int]:
 def planned_state_bytes(cfg: Config, rank: int) -> dict[str, int]:
     from fivefold.mesh import ParallelDims
     from fivefold.plan.layout import layout_from_config
-    from fivefold.plan.memory import master_chunk_bytes, model_state_bytes, muon_param_counts, rank_param_counts
-    from fivefold.plan.schedule import pipeline_ranks
+    from fivefold.plan.memory.peak import master_chunk_bytes, model_state_bytes, muon_param_counts, rank_param_counts
+    from fivefold.plan.pipeline.schedule import pipeline_ranks
     from fivefold.plan.workload import workload_from_config
 
     workload, layout = workload_from_config(cfg), layout_from_config(cfg)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fivefold.config import Config
 from fivefold.mesh import ParallelDims, crosses_nodes
-from fivefold.plan.stage_split import layers_per_stage, stages_of_rank
+from fivefold.plan.pipeline.stage_split import layers_per_stage, stages_of_rank
 
 # Long listings are cut (a 1024-rank job has 512 tp groups); `--all` prints everything.
 MAX_GROUPS = 8

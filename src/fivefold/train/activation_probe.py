@@ -1,6 +1,6 @@
 """Measure what one micro-batch's forward keeps for backward, on this rank, in bytes.
 
-The planner predicts activation bytes (plan/activations.py); this is the measurement it is checked
+The planner predicts activation bytes (plan/memory/activations.py); this is the measurement it is checked
 against. While the forward and the loss run, a dispatch mode holds on to the storage of every
 tensor an operator creates; at the end, the storages that something else still references
 (autograd's saved tensors, what activation checkpointing keeps, the logits for the loss) are

@@ -1,3 +1,3 @@
 """Pipeline parallelism through torch.distributed.pipelining: stages.py builds the stages and runs the
 schedules; schedule_table.py is a schedule's action table and timeline. The layer split is
-arithmetic the planner shares: plan/stage_split.py."""
+arithmetic the planner shares: plan/pipeline/stage_split.py."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from fivefold.parallel.pipeline.stages import SCHEDULES
 from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES
-from fivefold.plan.stage_split import stages_of_rank
+from fivefold.plan.pipeline.stage_split import stages_of_rank
 
 # Relative costs: a backward is twice a forward; split into input- and weight-gradient halves.
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}

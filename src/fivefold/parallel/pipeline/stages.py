@@ -1,6 +1,6 @@
 """Pipeline parallelism through `torch.distributed.pipelining`: stages and schedules.
 
-The model is cut into pp × pp_virtual stages (plan/stage_split.py); this rank builds the
+The model is cut into pp × pp_virtual stages (plan/pipeline/stage_split.py); this rank builds the
 stages it runs, each a copy of the full model with the other layers removed, so parameter names
 (and checkpoint keys) stay those of the single-device model. The first stage owns the embedding,
 the last the final norm, output layer and loss (the family's ModelSpec.first_stage / last_stage);
@@ -30,7 +30,7 @@ from fivefold.models.spec import ModelSpec
 from fivefold.parallel.collectives import all_reduce_scalars
 from fivefold.parallel.grad_norm import local_tensor, settle_grad_layout
 from fivefold.config.schedules import SINGLE_STAGE_SCHEDULES
-from fivefold.plan.stage_split import layers_per_stage, stages_of_rank
+from fivefold.plan.pipeline.stage_split import layers_per_stage, stages_of_rank
 from fivefold.parallel.pipeline.observed_stage import ObservedStage
 from fivefold.torch_internals import dtensor_local_tensor, is_view, recv_info_buffer, stage_args_recv_info, stage_fwd_cache
 
@@ -186,7 +186,7 @@ class Pipeline:
 
     def tied_group_members(self) -> tuple[int, int]:
         """pp ranks of the first and the last stage (different ranks when tied_copy() is not None)."""
-        from fivefold.plan.stage_split import stage_to_rank
+        from fivefold.plan.pipeline.stage_split import stage_to_rank
 
         return (stage_to_rank(0, self.pp, self.schedule_name),
                 stage_to_rank(self.n_stages - 1, self.pp, self.schedule_name))

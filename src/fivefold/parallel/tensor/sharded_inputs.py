@@ -75,7 +75,7 @@ def saving_shards(x: torch.Tensor):
 
 def keeps_shards(cfg, compiled: bool) -> bool:
     """Whether a run's column-parallel layers save the shard of their gathered input (the
-    planner's memory, plan/activations.py, asks the same); `compiled`: whether its blocks compile
+    planner's memory, plan/memory/activations.py, asks the same); `compiled`: whether its blocks compile
     (train.compile as plan/compile_choice.py resolves it)."""
     t, p = cfg.train, cfg.parallel
     return p.tp > 1 and p.sp and t.recompute == "none" and not compiled and not p.sp_keep_gathered

@@ -1,0 +1,68 @@
+"""What a framework's own memory recipe changes from fivefold's: the dtype of its gradient buffer,
+and the fixed bytes every rank pays before holding a tensor of the model.
+
+The precision recipe (plan/workload.py PRECISIONS) says what fivefold's trainer keeps. Another
+framework running the same layout may keep less: Megatron-core's performance recipes reduce and
+accumulate gradients in bf16 (grad_reduce_in_fp32 = False), 2 bytes per weight where fivefold's
+bf16 recipe keeps an fp32 buffer (4). The fixed costs are the device's (CUDA context), the
+communication library's (NCCL's buffers per communicator) and the framework's (workspaces and
+allocator fragmentation, Runtime.fixed_bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+from fivefold.plan.hardware import Hardware, Runtime
+from fivefold.plan.layout import Layout
+from fivefold.plan.workload import Precision, Workload
+
+
+@lru_cache(maxsize=64)
+def framework_precision(precision: Precision, grad_buffer_bytes: float) -> Precision:
+    """The recipe with the framework's gradient buffer: that dtype, no second fp32 accumulator, and
+    reduced in it (the buffer is what the data-parallel collective sends)."""
+    if not grad_buffer_bytes or precision.grad_bytes + precision.accum_bytes == grad_buffer_bytes:
+        return precision
+    return dataclasses.replace(precision, grad_bytes=int(grad_buffer_bytes), accum_bytes=0,
+                               reduce_bytes=min(precision.reduce_bytes, int(grad_buffer_bytes)))
+
+
+def as_run_by(workload: Workload, runtime: Runtime) -> Workload:
+    """The workload with the precision recipe as `runtime`'s framework holds it."""
+    pr = framework_precision(workload.precision, runtime.grad_buffer_bytes)
+    return workload if pr is workload.precision else dataclasses.replace(workload, precision=pr)
+
+
+def as_recomputed_by(layout: Layout, runtime: Runtime, hw: Hardware, stats) -> Layout:
+    """The layout as the framework's recomputation runs it: Megatron's 'selective' recomputes only
+    the core attention, whose s x s scores a fused kernel never keeps, so it keeps (and costs) what
+    'none' does. (Its unfused A100-era core recomputes those scores in backward: plan/speed/attention.py
+    counts that time whatever the setting.)"""
+    if (layout.recompute == "selective" and runtime.selective_recompute == "attention_core"
+            and hw.fuses_attention(stats)):
+        return dataclasses.replace(layout, recompute="none")
+    return layout
+
+
+def communicators(layout: Layout) -> int:
+    """NCCL communicators a rank joins: one per parallel dimension of more than one rank (tp, the
+    pipeline's peers, cp, the data-parallel gradient group over dp x cp, ep and, under ep, the
+    experts' data-parallel group)."""
+    groups = sum(n > 1 for n in (layout.tp, layout.pp, layout.cp, layout.dp * layout.cp, layout.ep))
+    if layout.ep > 1 and layout.dp * layout.cp * layout.tp // layout.ep > 1:
+        groups += 1
+    return groups
+
+
+def process_bytes(layout: Layout, hw: Hardware) -> float:
+    """What the process holds outside PyTorch's allocator: the CUDA context and NCCL's buffers per
+    communicator (torch.cuda's peak-memory counters do not see them; the device's capacity does)."""
+    return hw.context_bytes + hw.comm_buffer_bytes * communicators(layout)
+
+
+def fixed_bytes(layout: Layout, hw: Hardware, runtime: Runtime) -> float:
+    """Bytes a rank holds that no tensor of the model owns: the process's (process_bytes) and the
+    framework's workspaces and fragmentation (Runtime.fixed_bytes)."""
+    return process_bytes(layout, hw) + runtime.fixed_bytes
