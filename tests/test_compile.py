@@ -17,8 +17,8 @@ def _config(name=None, **train):
     return load_config(name, {"train": {"compile": "auto", **train}})
 
 
-# A short run: 5 steps of llama3-8b save a few seconds each when compiled, far from the 60 s a cold
-# compile costs (20 steps came within a refit of the torch stacks' constants of it, and passed it).
+# A short run: 5 steps of llama3-8b save a few seconds each when compiled, far enough under the 60 s
+# a cold compile costs that a refit of the planner's speed constants does not carry it across.
 @pytest.mark.parametrize("steps, compiles", [(5, False), (20_000, True)])
 def test_auto_on_gpus_compiles_a_long_run_only(steps, compiles):
     cfg = _config("llama3-8b", steps=steps)
