@@ -30,14 +30,14 @@ import torch
 
 from fivefold.config import MoEConfig
 from fivefold.configure import load_config
-from fivefold.models.moe import feed_forward as moe_module
+from fivefold.models.moe import layer as moe_module
 from spawn import run_on_ranks
 
 STEPS = 3
 
 
 def _rank(overrides: list[str]) -> tuple[float, int]:
-    from fivefold.models.moe.feed_forward import moe_layers
+    from fivefold.models.moe.layer import moe_layers
     from fivefold.train.trainer import train
 
     cfg = load_config(None, overrides)
@@ -84,7 +84,7 @@ TP_WORK_MODEL = ["--model.preset", "tiny-moe", "--model.moe.n_experts", "8", "--
 
 def _work_rank(overrides: list[str]) -> tuple[float, float, float]:
     """One rank of `tp_work`: trains, counting expert rows and CPU seconds from the second step on."""
-    from fivefold.models.moe.feed_forward import MoE, Experts
+    from fivefold.models.moe.layer import MoE, Experts
     from fivefold.parallel.parallelized import Parallelized
     from fivefold.train.trainer import train
 

@@ -40,6 +40,6 @@ def assert_same_logits(got, want) -> None:
 
 
 def our_moe_layers(model) -> list[bool]:
-    from fivefold.models.moe.feed_forward import MoE
+    from fivefold.models.moe.layer import MoE
 
     return [isinstance(block.feed_forward, MoE) for block in model.layers.values()]

@@ -327,7 +327,7 @@ def test_compiled_8_ranks(slow_eight, index, monkeypatch):
 
 def test_compiled_grouped_experts_fp32(monkeypatch):
     """torch 2.13's fake-tensor kernel of torch._grouped_mm accepts bf16 only: compiled fp32 experts
-    trace the per-expert loop instead (models/moe/feed_forward.py grouped_mm_usable) and train like eager."""
+    trace the per-expert loop instead (models/moe/layer.py grouped_mm_usable) and train like eager."""
     import functools
 
     import torch

@@ -66,7 +66,7 @@ FOUR_RANKS = [
     moe_layout({"dp": 2, "tp": 2, "ep": 4, "zero": 3}, balance="bias", capacity_factor=1.0),
     # ep over half of tp, no dp: tp ranks holding the same experts sum their gradients (edp = 2).
     {"model": {"n_kv_heads": 4, "moe": {**MOE, "capacity_factor": 1.0}}, "parallel": {"tp": 4, "ep": 2}},
-    # Capacity priority over cp chunks cut into tp slices (models/moe/feed_forward.py NestedPieces).
+    # Capacity priority over cp chunks cut into tp slices (models/moe/layer.py NestedPieces).
     moe_layout({"cp": 2, "tp": 2}, capacity_factor=1.0),
     {"model": DEEPSEEK_V3, "parallel": {"dp": 4, "ep": 4}},
     {"model": DEEPSEEK_V3, "parallel": {"dp": 2, "tp": 2, "ep": 4}},  # ep borrowing tp

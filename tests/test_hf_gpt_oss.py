@@ -320,7 +320,7 @@ def test_grouped_experts_with_biases_and_clamped_swiglu_equal_the_loop():
     """The grouped matmul path (with each row's expert bias) against one matmul per expert."""
     import functools
 
-    from fivefold.models.moe.feed_forward import clamped_swiglu, grouped_swiglu, grouped_mm_usable, looped_swiglu
+    from fivefold.models.moe.layer import clamped_swiglu, grouped_swiglu, grouped_mm_usable, looped_swiglu
 
     gen = torch.Generator().manual_seed(0)
     counts, dim, hidden = [3, 0, 5, 2], 16, 8

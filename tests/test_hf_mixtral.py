@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from fivefold.config import ModelConfig, MoEConfig  # noqa: E402
 from fivefold.models import build_model  # noqa: E402
 from fivefold.models.hf.interop import load_pretrained, save_hf  # noqa: E402
-from fivefold.models.moe.feed_forward import MoE  # noqa: E402
+from fivefold.models.moe.layer import MoE  # noqa: E402
 
 
 def tiny_mixtral(seed=0):

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from fivefold.config import ModelConfig, MoEConfig
 from fivefold.models import build_model
-from fivefold.models.moe import feed_forward as moe_module
+from fivefold.models.moe import layer as moe_module
 from fivefold.models.loss.weight import micro_batch_weight
-from fivefold.models.moe.feed_forward import MoE, capacity_keep, looped_swiglu, moe_layers, sequence_aux_loss
+from fivefold.models.moe.layer import MoE, capacity_keep, looped_swiglu, moe_layers, sequence_aux_loss
 
 DIM, HIDDEN = 16, 24
 
@@ -307,7 +307,7 @@ def test_ignored_expert_is_warned_once_and_layers_are_reported(monkeypatch, caps
 
     from layouts import tiny_config
 
-    from fivefold.models.moe.feed_forward import Router
+    from fivefold.models.moe.layer import Router
     from fivefold.train.metrics import tensorboard_scalars
     from fivefold.train.trainer import train
 

@@ -1,7 +1,7 @@
 """A capacity factor under context parallelism equals the single process (losses, gradient norms,
 final weights; fp32, 6 steps): each cp rank holds two chunks of every sequence, and capacity ranks
 each assignment among its expert's in the whole sequence from per-chunk counts gathered over cp
-(models/moe/feed_forward.py `_pieces_keep`, parallel/context/apply.py `SequencePieces`)."""
+(models/moe/layer.py `_pieces_keep`, parallel/context/apply.py `SequencePieces`)."""
 
 import pytest
 

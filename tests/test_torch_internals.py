@@ -51,7 +51,7 @@ def test_a_torch_function_gone_is_named(monkeypatch):
     monkeypatch.delattr(torch, "_grouped_mm")
     missing = torch_internals.missing()
     assert len(missing) == 1 and "has no torch._grouped_mm," in missing[0], missing
-    assert "src/fivefold/models/moe/feed_forward.py" in missing[0]
+    assert "src/fivefold/models/moe/layer.py" in missing[0]
 
 
 def test_an_aten_op_gone_is_named(monkeypatch):

@@ -200,7 +200,7 @@ def _check_experts(cfg: Config, world_size: int | None) -> None:
                  "ranks; change train.seq_len or parallel.tp")
         if p.cp > 1 and m.moe.capacity_factor > 0:
             # Capacity ranks assignments by position in the whole sequence, counted per piece:
-            # each of the 2·cp context-parallel chunks cut into tp equal pieces (models/moe/feed_forward.py).
+            # each of the 2·cp context-parallel chunks cut into tp equal pieces (models/moe/layer.py).
             n = 2 * p.cp * p.tp
             _require(t.seq_len % n == 0, f"train.seq_len={t.seq_len} is not divisible by 2*parallel.cp*tp={n}, "
                      "which model.moe.capacity_factor > 0 needs under both context and tensor parallelism "

@@ -30,7 +30,7 @@ class BlockWeight:
 
 def block_weights(stats: ModelStats, layer: int) -> tuple[BlockWeight, ...]:
     """One block's matrices in the model's parameter order (models/decoder.py,
-    models/deepseek_v3/model.py, models/moe/feed_forward.py): attention's projections, then the dense MLP's
+    models/deepseek_v3/model.py, models/moe/layer.py): attention's projections, then the dense MLP's
     matrices, or the router, the routed experts (w1, w2, w3 stacked) and the shared experts. Norms,
     biases, sinks and multi-token prediction's eh_proj are not matrices of these kinds."""
     h = stats.dim

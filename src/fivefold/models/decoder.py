@@ -1,7 +1,7 @@
 """The decoder every family is made of (Llama 3, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss), as a
 plain single-device module; a family picks its variant (models/<family>/spec.py): per-head q/k RMSNorm
 (Qwen3), attention biases, sinks and per-layer sliding windows from the config (gpt-oss), an MoE
-feed-forward in some layers (models/moe/feed_forward.py), tied or untied embeddings, or its own
+feed-forward in some layers (models/moe/layer.py), tied or untied embeddings, or its own
 attention module and RoPE tables (DeepSeek-V3's latent attention: a subclass of `Transformer`
 passing `attention` and overriding `rope_frequencies` / `rope_tables`).
 
@@ -225,7 +225,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        from fivefold.models.moe.feed_forward import moe_feed_forward  # here: moe.py builds on this module
+        from fivefold.models.moe.layer import moe_feed_forward  # here: moe.py builds on this module
 
         self.layers = nn.ModuleDict({
             str(i): TransformerBlock(cfg, moe_feed_forward(cfg, i), qk_norm,

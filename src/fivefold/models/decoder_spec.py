@@ -9,7 +9,7 @@ import torch
 from fivefold.config import ModelConfig
 from fivefold.models.decoder import TIED, Transformer, initial_values
 from fivefold.models.hf.adapter import HFAdapter
-from fivefold.models.moe.feed_forward import is_moe_layer
+from fivefold.models.moe.layer import is_moe_layer
 from fivefold.models.spec import TP, ModelSpec
 
 ROOT_PLAN = {"tok_embeddings": TP.VOCAB_EMBEDDING, "norm": TP.STREAM_NORM, "output": TP.VOCAB_OUTPUT}

@@ -20,7 +20,7 @@ positions that have a target divided by all positions: every rank's piece of a s
 micro-batch then averages to the value of the single process (the last k positions of a window have
 no target, so this is (seq_len - k)/seq_len of a mean over the others).
 
-As for the MoE auxiliary loss (models/moe/feed_forward.py), the MTP loss reaches the gradients through an autograd
+As for the MoE auxiliary loss (models/moe/layer.py), the MTP loss reaches the gradients through an autograd
 function on the main logits: identity forward, and in backward the loss gets the gradient
 `mtp_loss_weight / D` times the micro-batch's weight in its step (models/loss/weight.py). The LM
 loss the trainer reports stays the LM loss; the MTP loss of each forward that counts (not

@@ -26,7 +26,7 @@ def _is_block(module: nn.Module) -> bool:
 def param_kinds(model: nn.Module) -> dict[str, str]:
     """Single-device parameter name -> kind, for every name a parameter has (a tied matrix's
     second name included, with the kind of its first)."""
-    from fivefold.models.moe.feed_forward import Experts, Router
+    from fivefold.models.moe.layer import Experts, Router
     from fivefold.models.rms_norm import RMSNorm
 
     region: dict[str, str] = {}  # module name -> the block region it opens

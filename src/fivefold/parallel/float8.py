@@ -135,7 +135,7 @@ def describe(cfg, spec: ModelSpec, all_gather: bool) -> str:
     """The start-up line: what runs in FP8 and what does not, and why."""
     import importlib.metadata
 
-    from fivefold.models.moe.feed_forward import is_moe_layer
+    from fivefold.models.moe.layer import is_moe_layer
 
     m = cfg.model
     n_layers = m.n_layers + m.mtp_depth

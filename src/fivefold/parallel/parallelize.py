@@ -16,7 +16,7 @@ from fivefold.config import Config
 from fivefold.mesh import ParallelDims
 from fivefold.models.init import Fill
 from fivefold.models.lora.adapters import freeze_all_but_adapters
-from fivefold.models.moe.feed_forward import moe_layers
+from fivefold.models.moe.layer import moe_layers
 from fivefold.models.registry import model_spec
 from fivefold.models.spec import ModelSpec
 from fivefold.parallel.context.apply import apply_context_parallel

@@ -32,7 +32,7 @@ _SAVE = {
     aten_op("_scaled_dot_product_efficient_attention").default,
     aten_op("_scaled_dot_product_flash_attention_for_cpu").default,
 }
-if has_aten_op("_grouped_mm"):  # the experts' matmuls (models/moe/feed_forward.py)
+if has_aten_op("_grouped_mm"):  # the experts' matmuls (models/moe/layer.py)
     _SAVE.add(aten_op("_grouped_mm").default)
 # A block checkpointed whole saves its output projections' outputs too (recomputing them would
 # cost a matmul); a branch checkpointed on its own keeps their inputs instead (apply_recompute).

@@ -77,7 +77,7 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set:
 
 
 def current_graph_task_id() -> int:
-    # -1 outside backward: MoE statistics skip the forwards recomputation repeats in backward (models/moe/feed_forward.py).
+    # -1 outside backward: MoE statistics skip the forwards recomputation repeats in backward (models/moe/layer.py).
     return torch._C._current_graph_task_id()
 
 
@@ -90,12 +90,12 @@ def compile_seconds() -> float:
 
 
 def has_grouped_mm() -> bool:
-    # Whether the experts can use the grouped matmul (else one matmul per expert, models/moe/feed_forward.py).
+    # Whether the experts can use the grouped matmul (else one matmul per expert, models/moe/layer.py).
     return hasattr(torch, "_grouped_mm")
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    # All experts' matmuls in one kernel, rows grouped by `offs` (models/moe/feed_forward.py).
+    # All experts' matmuls in one kernel, rows grouped by `offs` (models/moe/layer.py).
     return torch._grouped_mm(a, b, offs=offs)
 
 

@@ -175,9 +175,9 @@ def _checks() -> list[tuple[str, str, str, object]]:
         ("Tensor._is_view", "fivefold's pipeline memory release uses to leave views alone", _PIPELINE,
          lambda: callable(getattr(torch.Tensor, "_is_view", None))),
         ("torch._grouped_mm", "fivefold's MoE experts use for one kernel over all experts (else one matmul "
-         "per expert)", "src/fivefold/models/moe/feed_forward.py", has_grouped_mm),
+         "per expert)", "src/fivefold/models/moe/layer.py", has_grouped_mm),
         ("torch._C._current_graph_task_id returning -1 outside backward only", "fivefold's MoE router "
-         "statistics use to skip recomputed forwards", "src/fivefold/models/moe/feed_forward.py, src/fivefold/models/mtp.py",
+         "statistics use to skip recomputed forwards", "src/fivefold/models/moe/layer.py, src/fivefold/models/mtp.py",
          _graph_task_id_marks_backward),
         ("torch.ops._c10d_functional." + "/".join(C10D_FUNCTIONAL_OPS), "fivefold's tensor-parallel layers "
          "call as their collectives", "src/fivefold/parallel/tensor/layers.py",

@@ -143,7 +143,7 @@ def read_config(hf: dict) -> ModelConfig:
     if n_experts % n_group or topk_group > n_group:
         refuse(f"has n_routed_experts={n_experts}, n_group={n_group} and topk_group={topk_group}; the groups "
                "must split the experts evenly and topk_group must not exceed n_group")
-    if hf["num_experts_per_tok"] == 1 and hf["norm_topk_prob"]:  # models/moe/feed_forward.py renormalises only when top_k > 1
+    if hf["num_experts_per_tok"] == 1 and hf["norm_topk_prob"]:  # models/moe/layer.py renormalises only when top_k > 1
         refuse("sets num_experts_per_tok=1 with norm_topk_prob=true, which weights the one expert by 1, while "
                "fivefold weights a single expert by its router score")
     first_dense = hf["first_k_dense_replace"]

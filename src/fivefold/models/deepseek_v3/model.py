@@ -1,5 +1,5 @@
 """DeepSeek-V3's model: models/decoder.py's Transformer with multi-head latent attention (MLA) and
-DeepSeek's RoPE (models/deepseek_v3/rope.py). The MoE layers are models/moe/feed_forward.py's (sigmoid router,
+DeepSeek's RoPE (models/deepseek_v3/rope.py). The MoE layers are models/moe/layer.py's (sigmoid router,
 bias balancing, group-limited routing, routed_scaling_factor, shared experts).
 
 MLA (DeepSeek-V2, section 2.1): keys and values come from one kv_lora_rank latent per token (RMS
@@ -98,7 +98,7 @@ class DeepseekV3Transformer(Transformer):
         self.rope_factor = rope_attention_factor(cfg)
         self.mtp_embeddings = None
         if cfg.mtp_depth:
-            from fivefold.models.moe.feed_forward import moe_feed_forward
+            from fivefold.models.moe.layer import moe_feed_forward
 
             for index in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
                 self.layers[str(index)] = MTPLayer(cfg, moe_feed_forward(cfg, index), LatentAttention(cfg))

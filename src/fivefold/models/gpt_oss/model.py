@@ -1,7 +1,7 @@
 """gpt-oss's model: models/decoder.py's Transformer, whose attention takes its biases, sinks and
 per-layer sliding window from the config, with YaRN RoPE over the whole head (the frequencies and
 cos/sin factor of models/deepseek_v3/rope.py, the ramp's ends not rounded) rotating half-split
-channels as the decoder does. The MoE layers are models/moe/feed_forward.py's with a router bias, expert biases
+channels as the decoder does. The MoE layers are models/moe/layer.py's with a router bias, expert biases
 and the clamped SwiGLU (moe.router_bias, projection_bias, activation)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each targeted `nn.Linear` gets two children, `lora_A` (rank x in) and `lora_B` (out x rank), and
 computes y = W x (+ b) + (alpha / rank) · B A dropout(x) (LoRA, Hu et al. 2021; the scaling and
 the names are PEFT's, so that `<linear>.lora_A.weight` maps onto PEFT's
-`base_model.model.<Hugging Face module>.lora_A.weight`). Stacked experts (models/moe/feed_forward.py `Experts`)
+`base_model.model.<Hugging Face module>.lora_A.weight`). Stacked experts (models/moe/layer.py `Experts`)
 get stacked adapters beside each targeted projection: `w1_lora_A` (experts, rank, in) and
 `w1_lora_B` (experts, out, rank), so expert parallelism slices them with their experts
 (models/lora/experts.py computes them).
@@ -29,7 +29,7 @@ from torch import nn
 from fivefold.models.init import Fill, constant, seeded_uniform
 
 A, B = "lora_A", "lora_B"
-# The stacked experts' projections an adapter can sit beside (models/moe/feed_forward.py `Experts`).
+# The stacked experts' projections an adapter can sit beside (models/moe/layer.py `Experts`).
 EXPERT_PROJECTIONS = ("w1", "w2", "w3")
 
 
@@ -43,7 +43,7 @@ def add_adapters(model: nn.Module, lora) -> list[str]:
     Returns the adapted weights' names; none is a config problem (one sentence)."""
     from fivefold.config.errors import ConfigError
     from fivefold.config.lora import parse_targets
-    from fivefold.models.moe.feed_forward import Experts
+    from fivefold.models.moe.layer import Experts
     from fivefold.models.param_kinds import param_kinds
 
     targets, kinds = parse_targets(lora.targets), param_kinds(model)

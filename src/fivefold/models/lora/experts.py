@@ -2,7 +2,7 @@
 plus (alpha / rank) · B_e A_e dropout(x) beside each targeted one, for the rows routed to expert e.
 
 The base and the low-rank matmuls are grouped over the experts (`torch._grouped_mm`) where the
-shapes and the device allow it, else one matmul per expert, as models/moe/feed_forward.py does without adapters.
+shapes and the device allow it, else one matmul per expert, as models/moe/layer.py does without adapters.
 Every stacked tensor is read through `local` (tensor parallelism's local tensor), so the layouts
 that lay out the base experts lay out their adapters the same way.
 """
@@ -43,7 +43,7 @@ def adapted_swiglu(experts: nn.Module, x: torch.Tensor, counts: list[int], local
 
 def per_expert(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of expert e times w[e]ᵀ, w: (experts, out, in)."""
-    from fivefold.models.moe.feed_forward import grouped_mm_usable
+    from fivefold.models.moe.layer import grouped_mm_usable
     from fivefold.torch_internals import grouped_mm
 
     if grouped_mm_usable(x.device, x.dtype, w.shape[2], w.shape[1]):

@@ -1,6 +1,6 @@
 """The weight of the micro-batch being run in its step's loss, for the losses a model adds beside
 the LM loss (the MoE auxiliary loss, multi-token prediction): they reach the gradients through
-autograd functions in the model (models/moe/feed_forward.py, models/mtp.py), so they must weigh as the caller
+autograd functions in the model (models/moe/layer.py, models/mtp.py), so they must weigh as the caller
 weighs each micro-batch's LM loss (1 / micro-batches per step), inside a pipeline stage too.
 
 The training loop states it around a step's forwards, as autocast states the compute dtype:

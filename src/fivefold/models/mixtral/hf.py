@@ -22,7 +22,7 @@ def read_config(hf: dict) -> ModelConfig:
                     aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.01)))
     if hf.get("router_jitter_noise"):
         refuse(f"sets router_jitter_noise={hf['router_jitter_noise']}; fivefold's router is deterministic, set it to 0")
-    if moe.top_k == 1:  # models/moe/feed_forward.py renormalises only when top_k > 1 (Switch's top-1 keeps the probability)
+    if moe.top_k == 1:  # models/moe/layer.py renormalises only when top_k > 1 (Switch's top-1 keeps the probability)
         refuse("sets num_experts_per_tok=1, which Mixtral weights by 1 after renormalising, while fivefold "
                "weights a single expert by its router probability")
     # MixtralConfig's default theta is 1e6, not the usual 1e4.

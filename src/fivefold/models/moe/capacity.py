@@ -1,6 +1,6 @@
 """MoE capacity: which (token, expert) assignments each expert takes per sequence, also when the
 sequence is split over ranks (context parallelism's pieces, tensor parallelism's slices, or both):
-the decisions models/moe/feed_forward.py's MoE takes, with the split it is given (see its docstring)."""
+the decisions models/moe/layer.py's MoE takes, with the split it is given (see its docstring)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def read_config(hf: dict) -> ModelConfig:
     if not isinstance(only_dense, list) or not all(isinstance(i, int) for i in only_dense):
         refuse(f"needs mlp_only_layers as a list of layer indices, got {only_dense!r}")
     norm_topk_prob = bool(hf.get("norm_topk_prob", False))
-    if hf["num_experts_per_tok"] == 1 and norm_topk_prob:  # models/moe/feed_forward.py renormalises only when top_k > 1
+    if hf["num_experts_per_tok"] == 1 and norm_topk_prob:  # models/moe/layer.py renormalises only when top_k > 1
         refuse("sets num_experts_per_tok=1 with norm_topk_prob=true, which weights the one expert by 1, "
                "while fivefold weights a single expert by its router probability")
     keys = decoder_keys_from_hf(hf, gated_window=True)

@@ -195,7 +195,7 @@ def apply_context_parallel(model: nn.Module, attention_core: str, cp_mesh, metho
     """Swap every block's attention core for the context-parallel one over `cp_mesh`, and let MoE
     layers decide per whole sequence: the auxiliary loss adds its routing statistics over the cp
     ranks, capacity ranks each assignment among its expert's in the whole sequence."""
-    from fivefold.models.moe.feed_forward import moe_layers
+    from fivefold.models.moe.layer import moe_layers
 
     group = cp_mesh.get_group()
     pieces = SequencePieces(group, cp_mesh.get_local_rank(), cp_mesh.size())

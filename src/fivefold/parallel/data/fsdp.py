@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from fivefold.models.moe.feed_forward import moe_layers
+from fivefold.models.moe.layer import moe_layers
 from fivefold.parallel.data.base import DataParallel
 
 

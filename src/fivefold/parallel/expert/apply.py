@@ -1,7 +1,7 @@
 """Expert parallelism (ours): each rank of an ep group keeps n_experts/ep of every MoE layer's
 experts, and tokens travel to their expert and back by all-to-all.
 
-The single-device MoE (models/moe/feed_forward.py) routes, applies capacity and sorts its assignments by expert
+The single-device MoE (models/moe/layer.py) routes, applies capacity and sorts its assignments by expert
 on the rank that holds the tokens; only `MoE.run_experts` is replaced here. A call:
 1. exchange counts: how many rows this rank sends to each expert (an even all-to-all of E ints);
 2. dispatch: all-to-all of the rows, uneven sizes (rank r gets the rows for its experts);
@@ -22,7 +22,7 @@ With `parallel.ep_replicas`, a rank also computes, in replica slots, some rows o
 ranks own (parallel/expert/replicas.py): each destination rank's columns are then its own experts
 and its slots, and the rows are laid out by column before the dispatch and put back after it.
 
-Expert tensors are found through the shared MoE block (models/moe/feed_forward.py), whatever the family: every
+Expert tensors are found through the shared MoE block (models/moe/layer.py), whatever the family: every
 parameter of an `MoE.experts` module is stacked (experts, ...) along dim 0.
 """
 
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.models.moe.feed_forward import MoE, is_expert_param, moe_layers
+from fivefold.models.moe.layer import MoE, is_expert_param, moe_layers
 from torch.distributed.tensor import DTensor
 
 from fivefold.parallel.collectives import all_reduce_scalars

@@ -238,7 +238,7 @@ def _lower(loads: list[float], than: list[float]) -> bool:
 
 def replica_slots(parts: list[nn.Module]) -> list[ReplicaSlots]:
     """Every MoE layer's slots on this rank (empty without `parallel.ep_replicas`)."""
-    from fivefold.models.moe.feed_forward import moe_layers
+    from fivefold.models.moe.layer import moe_layers
 
     found = []
     for part in parts:

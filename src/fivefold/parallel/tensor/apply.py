@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fivefold.models.moe.feed_forward import Experts
+from fivefold.models.moe.layer import Experts
 from fivefold.models.spec import TP, ModelSpec
 from fivefold.parallel.tensor.lora import carry_adapter, carry_expert_attributes
 from fivefold.parallel.tensor.layers import (ColumnParallelLinear, HeadSplitValues, PartialGradLinear,
@@ -112,7 +112,7 @@ def _replicate_moe(moe: nn.Module, group: TensorParallelGroup) -> None:
     the routed experts are plain tensors again, and the expert-data-parallel group (mesh.py), which
     then spans the tp ranks holding the same experts, sums their partial gradients.
     Per-sequence decisions (capacity priority, the auxiliary loss) are taken on the whole
-    sequence through the MoE's slice hooks (models/moe/feed_forward.py); router statistics are summed over tp
+    sequence through the MoE's slice hooks (models/moe/layer.py); router statistics are summed over tp
     in expert.finish_router_step (parallelize.py gives its step hook the tp group)."""
     moe.router.gate = PartialGradLinear(moe.router.gate, group)
     if moe.shared is not None:  # every projection of the shared experts
@@ -128,7 +128,7 @@ def _replicate_moe(moe: nn.Module, group: TensorParallelGroup) -> None:
 
 
 class PartialGradExperts(Experts):
-    """Stacked experts (models/moe/feed_forward.py `Experts`, same parameter names) whose weights are replicated
+    """Stacked experts (models/moe/layer.py `Experts`, same parameter names) whose weights are replicated
     over tp and see this rank's tokens only: used with Partial gradients, like PartialGradLinear.
     Plain tensors (ep > 1 made them this rank's experts) are used as they are."""
 
