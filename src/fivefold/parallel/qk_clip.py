@@ -36,7 +36,6 @@ class QKClipStep(StepHook):
         self.threshold = threshold
         self.attentions = [m for part in parts for m in part.modules() if hasattr(m, "qk_row_scales")]
         self.maxima: dict[int, list[torch.Tensor]] = {}  # id(attention) -> (local heads,) per forward
-        self.n_micro = 0
         for attention in self.attentions:
             attention.attention_core().register_forward_hook(functools.partial(self._record, attention),
                                                              with_kwargs=True)
@@ -52,7 +51,6 @@ class QKClipStep(StepHook):
 
     def before_step(self, par, n_micro: int) -> None:
         self.maxima.clear()
-        self.n_micro = n_micro
 
     def after_optimizer_step(self, par, optimizer) -> dict:
         if not self.attentions:  # a pipeline stage without attention layers
@@ -78,7 +76,7 @@ class QKClipStep(StepHook):
         missing = [i for i, a in enumerate(self.attentions) if id(a) not in self.maxima]
         if missing:
             raise RuntimeError(f"QK-clip saw no forward pass of attention layer {missing[0]} this step")
-        local = torch.stack([torch.stack(self.maxima[id(a)][-self.n_micro:]).amax(0) for a in self.attentions])
+        local = torch.stack([torch.stack(self.maxima[id(a)][-par.n_micro:]).amax(0) for a in self.attentions])
         if par.dp_cp_group is not None and dist.get_world_size(par.dp_cp_group) > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=par.dp_cp_group)
         if par.dims.tp > 1:  # tp rank r holds heads [r·H/tp, (r+1)·H/tp)
