@@ -19,7 +19,7 @@ from fivefold.plan.layout import config_with_layout, layout_from_config
 from fivefold.plan.search import search, without_ignored
 from fivefold.plan.workload import workload_from_config
 from fivefold.configure import validate
-from fivefold.train.supported import check_supported
+from fivefold.configure.machine import check_machine
 
 SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.ffn_dim", "128", "--train.seq_len", "32",
          "--train.global_batch", "8", "--data.builtin_max_bytes", "200000", "--log.every", "1"]
@@ -29,12 +29,12 @@ def _choose(config, overrides, world):
     rest, free = auto.split_auto(overrides)
     cfg = load_config(config, rest)
     hw, _ = auto.job_hardware(cfg, world, None)
-    return cfg, hw, free, auto.choose(cfg, world, hw, DEFAULT_RUNTIME, free, check=check_supported)
+    return cfg, hw, free, auto.choose(cfg, world, hw, DEFAULT_RUNTIME, free, check=check_machine)
 
 
 def _valid(cfg, layout, world) -> bool:
     try:
-        check_supported(validate(config_with_layout(auto.planning_config(cfg), layout), world))
+        validate(config_with_layout(auto.planning_config(cfg), layout), world, on_this_machine=True)
     except ConfigError:
         return False
     return True

@@ -9,7 +9,6 @@ from ranks import run_on_ranks
 
 from fivefold.config import ConfigError
 from fivefold.configure import validate
-from fivefold.train.supported import check_supported
 
 # 4 experts of width 64 (aligned for torch._grouped_mm), top-2, in both layers of the tiny model.
 MOE = {"n_experts": 4, "top_k": 2, "expert_ffn_dim": 64}
@@ -204,8 +203,7 @@ def test_bad_moe_settings_one_sentence(overrides, message):
 def test_ep_borrowing_tp_is_supported():
     """dp2·tp2·ep4 trains (FOUR_RANKS); the trainer no longer refuses it."""
     cfg = tiny_config({"model": {"moe": MOE}, "parallel": {"dp": 2, "tp": 2, "ep": 4}})
-    validate(cfg, 4)
-    check_supported(cfg)
+    validate(cfg, 4, on_this_machine=True)
 
 
 def test_ep_groups_borrow_dp_cp_first_then_tp():

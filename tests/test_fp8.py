@@ -343,7 +343,7 @@ def test_cuda_refusals_are_one_sentence(monkeypatch):
     does not take (multiples of 16), are refused before any process group exists."""
     from fivefold.config import ConfigError
     from fivefold.configure import load_config
-    from fivefold.train.supported import check_float8
+    from fivefold.configure.machine import check_float8
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")

@@ -119,7 +119,7 @@ def _auto_layout(own, args: list[str], config_path: str | None, overrides: list[
     from fivefold.plan import auto
     from fivefold.plan.compile_choice import planned_compile
     from fivefold.plan.hardware import runtime_for
-    from fivefold.train.supported import check_supported
+    from fivefold.configure.machine import check_machine
 
     if own.sweep < 0 or (own.sweep and (torchrun or own.nnodes > 1 or own.dry_run)):
         raise ConfigError(f"--sweep {own.sweep}: give a count >= 1, and use it only on one machine's "
@@ -139,7 +139,7 @@ def _auto_layout(own, args: list[str], config_path: str | None, overrides: list[
     device = (torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
               if torch.cuda.is_available() else None)
     hw, why = auto.job_hardware(cfg, per_node, device)
-    choice = auto.choose(cfg, world, hw, runtime_for(planned_compile(cfg)), free, check=check_supported, keep=own.sweep)
+    choice = auto.choose(cfg, world, hw, runtime_for(planned_compile(cfg)), free, check=check_machine, keep=own.sweep)
     best = choice.best
     speaks = int(os.environ.get("RANK", 0)) == 0 and own.node_rank == 0
     if speaks:
@@ -181,12 +181,10 @@ def cmd_train(args: list[str]) -> int:
     if own.dry_run:
         cfg = load_config(config_path, overrides)
         given = any(a.startswith("--nproc") for a in args)
-        validate(cfg, own.nproc * own.nnodes if given else _config_world(cfg))  # as `fivefold layout` does
+        validate(cfg, own.nproc * own.nnodes if given else _config_world(cfg), on_this_machine=True)  # as a launch
         check_data_is_set(cfg)  # what the launch would refuse
         from fivefold.tools.rank_map import format_rank_map
-        from fivefold.train.supported import check_supported
 
-        check_supported(cfg)
         print(format_rank_map(cfg))
         return 0
     if launched_by_torchrun() or (own.nproc == 1 and own.nnodes == 1):
@@ -200,12 +198,10 @@ def cmd_train(args: list[str]) -> int:
     if own.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {own.nproc}")
     cfg = load_config(config_path, overrides)
-    validate(cfg, own.nproc * own.nnodes)  # before any process starts
+    validate(cfg, own.nproc * own.nnodes, on_this_machine=True)  # before any process starts
     check_data_is_set(cfg)
     from fivefold.tools.rank_map import format_rank_map
-    from fivefold.train.supported import check_supported
 
-    check_supported(cfg)
     if own.node_rank == 0:
         print(format_rank_map(cfg), flush=True)  # which rank holds what, before the first step
     return launch_local(config_path, overrides, own.nproc, own.max_restarts, own.nnodes, own.node_rank,
@@ -227,14 +223,12 @@ def cmd_layout(args: list[str]) -> int:
     config_path, overrides = _split_config(rest)
     cfg = load_config(config_path, overrides)
     world = own.nproc or _config_world(cfg)
-    validate(cfg, world)
+    validate(cfg, world, on_this_machine=own.build)  # --build builds the rank here
     if own.build:
         if not 0 <= own.rank < world:
             raise ConfigError(f"--rank {own.rank} is not a rank of this layout: use 0 to {world - 1}")
         from fivefold.tools.rank_build import build_rank, format_report
-        from fivefold.train.supported import check_supported
 
-        check_supported(cfg)
         report = build_rank(cfg, own.rank)
         print(json.dumps(report) if own.json else format_report(report))
         return 0

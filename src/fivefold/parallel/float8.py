@@ -1,9 +1,8 @@
 """FP8 training of the dense projections (train.fp8) through torchao's float8 recipes.
 
-Which modules: the ones the family's tensor-parallel plan lays out as Megatron's dense projections
-(`TP.COLUMN`, `TP.ROW_TO_SEQUENCE`, `TP.ROW_TO_TOKENS`: attention's four projections and a dense
-MLP's three in the decoder families), by path in each block. That is a role the ModelSpec already
-gives, so nothing here names a family's modules. The embedding, the output layer, norms, latent
+Which modules: the block's dense projections (models/dense_projections.py: the ones the family's
+tensor-parallel plan lays out as Megatron's dense projections, attention's four and a dense MLP's
+three in the decoder families), by path in each block, so nothing here names a family's modules. The embedding, the output layer, norms, latent
 down-projections (their tp gradient is a partial sum), multi-token prediction's eh_proj and the
 MoE layers (router, routed and shared experts) stay in high precision: torchtitan's choice for
 the first three, and torch 2.13 has no FP8 grouped matmul on CPU (`_scaled_grouped_mm` is
@@ -40,34 +39,16 @@ and `fsdp_utils.WeightWithDynamicFloat8CastTensor` (tests), as of torchao 0.18.
 from __future__ import annotations
 
 import functools
-import logging
-import warnings
 
 import torch
 from torch import nn
 
-from fivefold.models.spec import TP, ModelSpec
+from fivefold.configure.machine import import_torchao
+from fivefold.models.dense_projections import DENSE_PROJECTION_STYLES, dense_projection_paths
+from fivefold.models.spec import ModelSpec
 from fivefold.torch_internals import c10d_functional as _c10d
 
-FLOAT8_STYLES = (TP.COLUMN, TP.ROW_TO_SEQUENCE, TP.ROW_TO_TOKENS)
 RECIPES = ("tensorwise", "rowwise")
-
-
-def import_torchao():
-    """torchao's float8 package, imported without the start-up noise of its CUDA-only libraries
-    (logged as warnings on a CPU machine). Raises ImportError when torchao is not installed."""
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import torchao.float8 as float8
-    finally:
-        for log, level in zip(quiet, levels):
-            log.setLevel(level)
-    return float8
 
 
 def float8_config(recipe: str, fsdp_all_gather: bool = False):
@@ -85,12 +66,6 @@ def float8_all_gather(cfg, dims) -> bool:
     return fsdp and dims.tp == 1 and cfg.train.fp8 == "tensorwise"
 
 
-def float8_paths(spec: ModelSpec, cfg_model, part: nn.Module) -> dict[str, list[str]]:
-    """Block index -> paths (inside the block) of the projections train.fp8 converts."""
-    return {index: [path for path, style in spec.block_plan(cfg_model, int(index)).items() if style in FLOAT8_STYLES]
-            for index in part.layers.keys()}
-
-
 def apply_float8(part: nn.Module, spec: ModelSpec, cfg_model, recipe: str, fsdp_all_gather: bool = False,
                  token_mesh=None) -> int:
     """Convert the dense projections of `part` (still on the meta device); returns how many.
@@ -99,7 +74,7 @@ def apply_float8(part: nn.Module, spec: ModelSpec, cfg_model, recipe: str, fsdp_
     config = float8_config(recipe, fsdp_all_gather)
     tokens = {"tokens": token_mesh} if token_mesh is not None else {}
     converted = 0
-    for index, paths in float8_paths(spec, cfg_model, part).items():
+    for index, paths in dense_projection_paths(spec, cfg_model, part).items():
         block = part.layers[index]
         plain = set()
         for path in paths:
@@ -139,7 +114,7 @@ def describe(cfg, spec: ModelSpec, all_gather: bool) -> str:
 
     m = cfg.model
     n_layers = m.n_layers + m.mtp_depth
-    count = sum(sum(style in FLOAT8_STYLES for style in spec.block_plan(m, i).values()) for i in range(n_layers))
+    count = sum(sum(style in DENSE_PROJECTION_STYLES for style in spec.block_plan(m, i).values()) for i in range(n_layers))
     moe = any(is_moe_layer(m, i) for i in range(m.n_layers))
     kept = "embedding, output layer, norms" + (
         ", MoE layers (routers, routed and shared experts: no FP8 grouped-matmul kernel in torch 2.13 on CPU, "

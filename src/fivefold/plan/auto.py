@@ -163,7 +163,7 @@ def planning_config(cfg: Config) -> Config:
 def choose(cfg: Config, world: int, hw: Hardware, runtime: Runtime, free: frozenset[str],
            check=None, keep: int = 2) -> Choice:
     """The fastest layout of `world` ranks on `hw` that fits and that the training code accepts
-    (fivefold.configure.validate, then `check(config)` for training-only rules, e.g. train/supported.py's check_supported), with
+    (fivefold.configure.validate, then `check(config)` for this machine's rules, e.g. configure/machine.py's check_machine), with
     at least the next `keep - 1` valid ones and the best of other degrees (Choice.valid).
     Raises ConfigError with the reason when there is none."""
     cfg = planning_config(cfg)

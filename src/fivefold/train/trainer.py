@@ -38,7 +38,6 @@ from fivefold.train.startup import StartupPhases, describe_data, model_phase
 from fivefold.config.validate import ignored_note
 from fivefold.config.validate_data import check_data_is_set
 from fivefold.configure import validate
-from fivefold.train.supported import check_supported
 
 
 @dataclass
@@ -67,8 +66,7 @@ def autocast(cfg: Config, device: torch.device):
 def setup(cfg: Config, rt: Runtime | None = None) -> tuple[Runtime, Parallelized]:
     """Validate, create the process group, build and parallelize the model."""
     rt = rt or runtime_from_env()
-    validate(cfg, rt.world_size)
-    check_supported(cfg)
+    validate(cfg, rt.world_size, on_this_machine=True)
     if rt.is_main:  # one job per folder (checkpoint/folder_lock.py), refused before any process group
         folder_lock.hold_run_folders(cfg)
     init_process_group(rt, cfg.parallel.timeout_s, cfg.parallel.backend)

@@ -1,20 +1,24 @@
-"""The machine's refusals: what this machine cannot run (parallel.backend, FP8 kernels and sizes on
-its GPU, log.memory_snapshot without CUDA). Everything a config says about the model and the layout
-is decided by fivefold.configure.validate, which the planner calls too; these are the only rules a
-plan does not apply, since the plan is for another machine. Checked before any process group.
+"""The gate's machine stage: what this machine cannot run of a config the keys and model stages
+accepted (parallel.backend, FP8 kernels and the sizes its GPU multiplies, log.memory_snapshot without
+CUDA). The only stage a plan skips, since a plan is for another machine; every command that runs on
+this one (train, its dry run, `layout --build`, the auto layout's choice) takes it through
+`fivefold.configure.validate(..., on_this_machine=True)`. torch is imported here, inside the calls,
+so that the keys and model stages stay torch-free for the planner.
 """
 
 from __future__ import annotations
 
-import torch
+import logging
+import warnings
 
 from fivefold.config import Config, ConfigError
 from fivefold.config.validate import check_backend
-from fivefold.models.registry import model_spec
 
 
-def check_supported(cfg: Config) -> None:
-    """What this machine cannot run of a config fivefold.configure.validate accepted."""
+def check_machine(cfg: Config) -> None:
+    """One sentence if this machine cannot run the config."""
+    import torch
+
     check_backend(cfg.parallel.backend, torch.cuda.is_available())
     if cfg.train.fp8:
         check_float8(cfg)
@@ -26,7 +30,7 @@ def check_supported(cfg: Config) -> None:
 def check_float8(cfg: Config) -> None:
     """train.fp8 needs torchao's float8 training, and on CUDA a GPU with FP8 matmuls and sizes its
     kernel takes."""
-    from fivefold.parallel.float8 import import_torchao
+    import torch
 
     recipe = cfg.train.fp8
     try:
@@ -43,13 +47,31 @@ def check_float8(cfg: Config) -> None:
     _check_float8_sizes(cfg)
 
 
+def import_torchao():
+    """torchao's float8 package, imported without the start-up noise of its CUDA-only libraries
+    (logged as warnings on a CPU machine). Raises ImportError when torchao is not installed."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchao.float8 as float8
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+    return float8
+
+
 def _check_float8_sizes(cfg: Config) -> None:
     """CUDA's torch._scaled_mm multiplies sizes that are multiples of 16: each dense projection's
     input and output features on a tp rank, and a micro-batch's tokens (the weight gradient's
     contraction)."""
     from fivefold.models import build_meta_model
+    from fivefold.models.dense_projections import dense_projection_paths
+    from fivefold.models.registry import model_spec
     from fivefold.models.spec import TP
-    from fivefold.parallel.float8 import float8_paths
 
     p, t = cfg.parallel, cfg.train
     tokens = (t.micro_batch or t.global_batch // max(1, p.dp)) * t.seq_len // p.cp
@@ -58,7 +80,7 @@ def _check_float8_sizes(cfg: Config) -> None:
                           f"train.seq_len / parallel.cp = {tokens}) to be a multiple of 16; change train.seq_len "
                           "or train.micro_batch")
     spec, model = model_spec(cfg.model), build_meta_model(cfg.model)
-    for index, paths in float8_paths(spec, cfg.model, model).items():
+    for index, paths in dense_projection_paths(spec, cfg.model, model).items():
         plan = spec.block_plan(cfg.model, int(index))
         for path in paths:
             linear = model.layers[index].get_submodule(path)
