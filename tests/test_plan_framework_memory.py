@@ -45,6 +45,38 @@ def test_megatron_keeps_bf16_gradients_where_fivefold_keeps_fp32():
     assert estimate(work, layout, hw, MEGATRON_2022_RUNTIME).memory.grads == pytest.approx(fivefold.grads)
 
 
+def test_bf16_optimizer_state_keeps_masters_and_moments_at_2_bytes():
+    """NeMo's Apex DistributedFusedAdam with optim.dtype = bf16 (the Nemotron-4 340B benchmark):
+    both Adam moments in bf16 and no master copy (store_params = False: the optimizer's dtype is the
+    weights'), 4 bytes per weight over dp instead of 12; weights, gradients and activations as
+    before."""
+    work, layout, hw = _work(), Layout(dp=8, zero=1, mbs=1), hardware_for("h100")
+    fp32 = estimate(work, layout, hw, MEGATRON_RUNTIME).memory
+    bf16 = estimate(work, layout, hw, dataclasses.replace(MEGATRON_RUNTIME, optimizer_state_bytes=2.0)).memory
+    assert bf16.optimizer == pytest.approx(fp32.optimizer / 3)
+    assert (bf16.params, bf16.grads, bf16.activations) == (fp32.params, fp32.grads, fp32.activations)
+    # fp32 state stated explicitly is the default
+    same = estimate(work, layout, hw, dataclasses.replace(MEGATRON_RUNTIME, optimizer_state_bytes=4.0)).memory
+    assert same.optimizer == pytest.approx(fp32.optimizer)
+
+
+def test_the_command_line_sets_the_optimizer_state_dtype(capsys):
+    import json
+
+    from fivefold.plan.cli import run_plan
+
+    argv = ["--model.preset", "llama3-8b", "--train.dtype", "bf16", "--train.seq_len", "4096",
+            "--model.max_seq_len", "4096", "--train.global_batch", "64", "--cluster.gpu", "h100",
+            "--layout", "dp=8,tp=1,pp=1,zero=1,mbs=1", "--framework", "megatron", "--json"]
+    optimizer = {}
+    for state in ("fp32", "bf16"):
+        assert run_plan(argv + ["--optimizer-state-dtype", state]) == 0
+        optimizer[state] = json.loads(capsys.readouterr().out)["candidates"][0]["memory_bytes"]["optimizer"]
+    assert optimizer["bf16"] == pytest.approx(optimizer["fp32"] / 3, rel=1e-6)
+    assert run_plan(argv + ["--optimizer-state-dtype", "fp16"]) == 2
+    assert "--optimizer-state-dtype 'fp16' is not one of fp32, bf16" in capsys.readouterr().err
+
+
 def test_fixed_costs_count_the_context_and_each_communicator():
     hw = hardware_for("h100")
     assert communicators(Layout(dp=1)) == 0

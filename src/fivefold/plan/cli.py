@@ -32,7 +32,7 @@ USAGE = """usage: fivefold plan [CONFIG] [--cluster.gpus N] [--cluster.gpu h100]
                      [--layout "dp=8,zero=1,tp=2,pp=4,cp=1,ep=1,mbs=1,recompute=selective,pp_schedule=1f1b"]
                      [--layouts FILE.jsonl] [--json] [--plot FILE.png] [--top K] [--sweep K]
                      [--framework fivefold|torchtitan|megatron|megatron-2022|megatron-deepspeed|nanotron|fms-fsdp]
-                     [--moe-rank-imbalance X|metrics.jsonl]
+                     [--moe-rank-imbalance X|metrics.jsonl] [--optimizer-state-dtype fp32|bf16]
                      [--section.key value ...]
 
 Without --layout, searches the layouts of --cluster.gpus GPUs and ranks them by predicted
@@ -44,9 +44,13 @@ the default is fivefold's own (compiled when train.compile says so).
 --moe-rank-imbalance X: the busiest expert-parallel rank's routed tokens over the mean, as a run
 measured it: a number, or the run's metrics.jsonl (the median step's mean over its MoE layers);
 the default is the least random routing gives.
+--optimizer-state-dtype bf16: the run keeps its Adam moments and master weights in bf16 (NeMo's
+optim.dtype = bf16), 2 bytes each; the default is fp32.
 GPUs: """ + ", ".join(PROFILES)
 
-VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top", "--sweep", "--framework", "--moe-rank-imbalance")
+VALUE_FLAGS = ("--layout", "--layouts", "--plot", "--top", "--sweep", "--framework", "--moe-rank-imbalance",
+               "--optimizer-state-dtype")
+OPTIMIZER_STATE_BYTES = {"fp32": 0.0, "bf16": 2.0}
 GB = 1e9
 GiB = 2 ** 30
 
@@ -211,7 +215,13 @@ def _runtime(cfg, flags: dict):
     name = flags.get("framework", "fivefold")
     if name != "fivefold" and name not in FRAMEWORKS:
         raise PlanError(f"--framework '{name}' is not one of {', '.join(FRAMEWORKS)}")
-    return runtime_for(planned_compile(cfg), name)
+    runtime = runtime_for(planned_compile(cfg), name)
+    state = flags.get("optimizer_state_dtype")
+    if state is None:
+        return runtime
+    if state not in OPTIMIZER_STATE_BYTES:
+        raise PlanError(f"--optimizer-state-dtype '{state}' is not one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+    return dataclasses.replace(runtime, optimizer_state_bytes=OPTIMIZER_STATE_BYTES[state])
 
 
 def _evaluate_given(cfg, workload, hw, layouts: list[Layout], where: list[str], runtime):

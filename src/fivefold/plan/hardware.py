@@ -228,6 +228,13 @@ class Runtime:
     # Megatron-Bridge) set grad_reduce_in_fp32 = False: the main-grad buffer, which the weight-
     # gradient GEMMs accumulate into and the distributed optimizer reduce-scatters, is bf16 (2).
     grad_buffer_bytes: float = 0.0
+    # Bytes per element of the optimizer state (each Adam moment; a master copy of the weights too,
+    # unless in the weights' own dtype, when NeMo keeps none) when the run keeps it in another dtype
+    # than fp32 (0: fp32, the recipe's). A run's setting, not a framework's: NeMo's Apex
+    # DistributedFusedAdam with optim.dtype = bf16 keeps 2 (NVIDIA's Nemotron-4 340B benchmark),
+    # its GPT-3 175B config the default fp32. `fivefold plan
+    # --optimizer-state-dtype bf16` sets it (plan/memory/framework.py).
+    optimizer_state_bytes: float = 0.0
     # Megatron's pipeline frees each stage output's data once sent (deallocate_output_tensor: the
     # next stage holds the copy; only the graph is kept). fivefold keeps it until its backward.
     frees_sent_outputs: bool = False

@@ -1,10 +1,18 @@
 """What a framework's own memory recipe changes from fivefold's: the dtype of its gradient buffer,
-and the fixed bytes every rank pays before holding a tensor of the model.
+the dtype of its optimizer state, and the fixed bytes every rank pays before holding a tensor of
+the model.
 
 The precision recipe (plan/workload.py PRECISIONS) says what fivefold's trainer keeps. Another
 framework running the same layout may keep less: Megatron-core's performance recipes reduce and
 accumulate gradients in bf16 (grad_reduce_in_fp32 = False), 2 bytes per weight where fivefold's
-bf16 recipe keeps an fp32 buffer (4). The fixed costs are the device's (CUDA context), the
+bf16 recipe keeps an fp32 buffer (4). A run may also keep its optimizer state in bf16: NeMo's
+Apex DistributedFusedAdam with optim.dtype = bf16 (NVIDIA's Nemotron-4 340B benchmark config,
+dgxc-benchmarking nemotron4-340b-synth.yaml) keeps both Adam moments in bf16, 2 bytes each where
+fp32 moments take 4, and no master copy: NeMo's setup_optimization sets store_params = False
+when the optimizer's dtype is the model's, so the bf16 weights are updated in place. 4 bytes per
+weight over dp instead of 12 (Runtime.optimizer_state_bytes; `fivefold plan
+--optimizer-state-dtype bf16`).
+The fixed costs are the device's (CUDA context), the
 communication library's (NCCL's buffers per communicator) and the framework's (workspaces and
 allocator fragmentation, Runtime.fixed_bytes).
 """
@@ -20,18 +28,31 @@ from fivefold.plan.workload import Precision, Workload
 
 
 @lru_cache(maxsize=64)
-def framework_precision(precision: Precision, grad_buffer_bytes: float) -> Precision:
+def framework_precision(precision: Precision, grad_buffer_bytes: float,
+                        optimizer_state_bytes: float = 0.0) -> Precision:
     """The recipe with the framework's gradient buffer: that dtype, no second fp32 accumulator, and
-    reduced in it (the buffer is what the data-parallel collective sends)."""
-    if not grad_buffer_bytes or precision.grad_bytes + precision.accum_bytes == grad_buffer_bytes:
-        return precision
-    return dataclasses.replace(precision, grad_bytes=int(grad_buffer_bytes), accum_bytes=0,
-                               reduce_bytes=min(precision.reduce_bytes, int(grad_buffer_bytes)))
+    reduced in it (the buffer is what the data-parallel collective sends); and with its optimizer
+    state's dtype: each Adam moment at that many bytes, and the master copy of the weights (where
+    the recipe keeps one) too, unless that is the weights' own dtype."""
+    if grad_buffer_bytes and precision.grad_bytes + precision.accum_bytes != grad_buffer_bytes:
+        precision = dataclasses.replace(precision, grad_bytes=int(grad_buffer_bytes), accum_bytes=0,
+                                        reduce_bytes=min(precision.reduce_bytes, int(grad_buffer_bytes)))
+    state = int(optimizer_state_bytes)
+    if state and precision.moment_bytes != state:
+        # Adam's two moments at `state` bytes. A master copy in the weights' own dtype would be the
+        # weights again: NeMo then keeps none (store_params = False when optim.dtype is the model's
+        # dtype), updating the bf16 weights in place. (bf16_fp32_accum counts its master inside
+        # optim_bytes, the other recipes apart.)
+        master = state if state != precision.param_bytes else 0
+        inline_master = precision.optim_bytes > 2 * precision.moment_bytes
+        precision = dataclasses.replace(precision, optim_bytes=2 * state + (master if inline_master else 0),
+                                        moment_bytes=state, master_bytes=master if precision.master_bytes else 0)
+    return precision
 
 
 def as_run_by(workload: Workload, runtime: Runtime) -> Workload:
     """The workload with the precision recipe as `runtime`'s framework holds it."""
-    pr = framework_precision(workload.precision, runtime.grad_buffer_bytes)
+    pr = framework_precision(workload.precision, runtime.grad_buffer_bytes, runtime.optimizer_state_bytes)
     return workload if pr is workload.precision else dataclasses.replace(workload, precision=pr)
 
 
