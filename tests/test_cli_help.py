@@ -67,7 +67,7 @@ def test_train_help_lists_every_key_with_its_default_and_help(capsys):
         assert line.group(1) == str(shown), (dotted, line.group(1), default)
     # Grouped by section, in the config's order, [model.moe] after [model].
     headers = re.findall(r"^\[([\w.]+)\]", out, re.MULTILINE)
-    assert headers == ["model", "model.moe", "parallel", "train", "data", "checkpoint", "debug", "log", "cluster", "lora"]
+    assert headers == ["model", "model.moe", "parallel", "train", "data", "checkpoint", "debug", "log", "cluster", "lora", "ft"]
     for section in headers:  # each key under its own section
         block = out.split(f"\n[{section}]", 1)[1].split("\n[", 1)[0]
         assert all(k.rsplit(".", 1)[0] == section for k in re.findall(r"^  --([\w.]+) ", block, re.MULTILINE))

@@ -23,7 +23,7 @@ PACKAGE = REPO / "src" / "fivefold"
 
 # Bottom to top: a module may import modules of its own layer and of the layers below.
 LAYERS = {"config": 0, "mesh": 1, "runtime": 1, "torch_internals": 1, "models": 2, "configure": 2, "plan": 3, "parallel": 4,
-          "data": 5, "checkpoint": 5, "train": 5, "cli": 6, "tools": 6, "__init__": 7, "__main__": 7}
+          "data": 5, "checkpoint": 5, "train": 5, "ft": 5, "cli": 6, "tools": 6, "__init__": 7, "__main__": 7}
 # Imports inside functions that reach upward, each for a reason the layering cannot express.
 UPWARD = {
     # `fivefold --version`: the version is written once, in the package's __init__ (pyproject reads it there).

@@ -187,6 +187,9 @@ def cmd_train(args: list[str]) -> int:
 
         print(format_rank_map(cfg))
         return 0
+    ft = load_config(config_path, overrides).ft
+    if ft.replicas and not ft.lighthouse:  # in-place healing on this machine: a lighthouse and the groups
+        return _replica_groups(own, config_path, overrides)
     if launched_by_torchrun() or (own.nproc == 1 and own.nnodes == 1):
         cfg = load_config(config_path, overrides)
         from fivefold.runtime import runtime_from_env
@@ -206,6 +209,16 @@ def cmd_train(args: list[str]) -> int:
         print(format_rank_map(cfg), flush=True)  # which rank holds what, before the first step
     return launch_local(config_path, overrides, own.nproc, own.max_restarts, own.nnodes, own.node_rank,
                         own.rdzv, own.rdzv_id)
+
+
+def _replica_groups(own, config_path, overrides) -> int:
+    """`--ft.replicas R` without ft.lighthouse: R replica groups of --nproc ranks here (ft/supervise.py)."""
+    from fivefold.ft.supervise import run_replica_groups
+
+    cfg = load_config(config_path, overrides)
+    validate(cfg, own.nproc, on_this_machine=True)  # before any process starts
+    check_data_is_set(cfg)
+    return run_replica_groups(config_path, overrides, own.nproc, cfg, own.max_restarts, own.nnodes)
 
 
 def _config_world(cfg) -> int:

@@ -245,6 +245,10 @@ class DebugConfig:
     slow_save_s: float = checked(60.0, ge=0)  # ... for this long (a window in which to kill the job mid-save)
     stop_at_step: int = checked(0, ge=0)  # rank `crash_rank` sends itself `stop_signal` as step N ends (preemption)
     stop_signal: str = checked("SIGTERM", choices=("SIGTERM", "SIGUSR1", "SIGINT"))  # the signal stop_at_step sends
+    # "R:STEP": every rank of replica group R (ft.replicas) kills itself with SIGKILL inside step STEP
+    # (after its forward and backward, before the gradients cross the groups; a group that healed past STEP: at
+    # its first step after), once; the group is started again
+    kill_replica: str = ""
 
 
 @dataclass
@@ -307,6 +311,23 @@ class LoraConfig:
     targets: str = "attention|mlp"
 
 
+FT_MODES = ("same_batch", "shrink")  # ft.mode
+
+
+@dataclass
+class FtConfig:
+    """In-place healing (docs/operations.md#in-place-healing): torchft replica groups, each a whole
+    copy of the layout, that drop out of a step when they fail and heal from a live peer."""
+    replicas: int = checked(0, ge=0, note="0 = off")  # replica groups `fivefold train --nproc N` starts here, each of N ranks; 0 = off
+    # host:port of a running torchft lighthouse; empty = `fivefold train` starts one and the groups
+    lighthouse: str = ""
+    group: int = checked(0, ge=0)  # this process's replica group (the launcher sets it; give it under torchrun/SLURM)
+    min_replicas: int = checked(1, gt=0)  # live groups a step needs to commit
+    # same_batch: the live groups split the fixed global batch (the same gradient through a failure);
+    # shrink: each group keeps its own share and the missing groups' shares are dropped (torchft's way)
+    mode: str = checked("same_batch", choices=FT_MODES)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -318,6 +339,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -328,3 +350,9 @@ def micro_batches(cfg: Config) -> int:
     micro_batch = 0 means the rank's whole share at once (docs/design.md batch arithmetic)."""
     per_rank = cfg.train.global_batch // cfg.parallel.dp
     return per_rank // (cfg.train.micro_batch or per_rank)
+
+
+def ft_micro_batch(cfg: Config) -> int:
+    """Sequences per micro-batch under ft.replicas: train.micro_batch, or 0's meaning at full
+    strength, each rank of every replica group's whole share at once."""
+    return cfg.train.micro_batch or cfg.train.global_batch // (cfg.ft.replicas * cfg.parallel.dp)

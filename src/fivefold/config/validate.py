@@ -21,7 +21,7 @@ from fivefold.config.schema import Config, ParallelConfig, micro_batches
 from fivefold.config.validate_data import check_data
 from fivefold.config.validate_optimizer import check_optimizer
 from fivefold.config.validate_attention import check_family_keys
-from fivefold.config.validate_run import check_checkpoint, check_log, check_run_folders
+from fivefold.config.validate_run import check_checkpoint, check_ft, check_log, check_run_folders
 
 DIMS = ("pp", "dp", "cp", "tp")
 
@@ -275,6 +275,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     check_data(cfg)
     check_checkpoint(cfg)
     check_log(cfg, world_size)
+    check_ft(cfg)
     if world_size is not None:  # a launch writes there (`config show` and `plan` write nothing)
         check_run_folders(cfg)
     return cfg

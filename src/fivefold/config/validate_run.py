@@ -1,5 +1,6 @@
 """The run's own settings before any process starts: where checkpoints and logs go (folders that can
-be written), what resume and export name, and what the log section asks to record. validate()
+be written), what resume and export name, what the log section asks to record, and the replica
+groups of in-place healing (`[ft]`) with what they do not run yet. validate()
 (config/validate.py) calls these; each failure is one sentence naming the key and the fix.
 """
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from fivefold.config.errors import ConfigError, require as _require
 from fivefold.config.file_errors import os_problem
-from fivefold.config.schema import Config
+from fivefold.config.schema import Config, ft_micro_batch
 
 
 def check_checkpoint(cfg: Config) -> None:
@@ -118,3 +119,48 @@ def check_writable_dir(key: str, text: str) -> None:
             pass
     except OSError as err:
         raise ConfigError(f"{key}='{text}' is not writable ('{existing}': {err.strerror}); {fix}") from None
+
+
+def check_ft(cfg: Config) -> None:
+    """`[ft]` and `debug.kill_replica`: torchft replica groups, each a whole copy of the layout."""
+    f, p, t = cfg.ft, cfg.parallel, cfg.train
+    if not f.replicas:
+        _require(not cfg.debug.kill_replica, f"debug.kill_replica='{cfg.debug.kill_replica}' kills a replica "
+                 "group, and ft.replicas=0 starts none; set ft.replicas (e.g. 2) or remove debug.kill_replica")
+        return
+    _require(f.min_replicas <= f.replicas, f"ft.min_replicas={f.min_replicas} exceeds ft.replicas={f.replicas}, so "
+             f"no step could commit; lower ft.min_replicas or raise ft.replicas")
+    _require(f.group < f.replicas, f"ft.group={f.group} must be below ft.replicas={f.replicas} (groups count from 0)")
+    if f.lighthouse:
+        host, _, port = f.lighthouse.rpartition(":")
+        _require(bool(host) and port.isdigit(), f"ft.lighthouse='{f.lighthouse}' must be HOST:PORT of a running "
+                 "torchft lighthouse (e.g. node0:29510), or empty for `fivefold train` to start one")
+    # What this version runs inside a replica group: data parallelism (zero 0) on a dense model
+    # trained by AdamW, without checkpoints (docs/operations.md#in-place-healing says what is next).
+    layout = [("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.cp", p.cp, 1),
+              ("parallel.ep", p.ep, 1), ("parallel.zero", p.zero if p.dp > 1 else 0, 0)]
+    for key, value, plain in layout:
+        _require(value == plain, f"{key}={value} is not yet available with ft.replicas={f.replicas} (a replica group "
+                 f"runs data parallelism at zero 0 in this version); set {key}={plain} or ft.replicas=0")
+    features = [("model.moe.n_experts", cfg.model.moe.n_experts, 0), ("model.mtp_depth", cfg.model.mtp_depth, 0),
+                ("lora.rank", cfg.lora.rank, 0), ("train.optimizer", t.optimizer, "adamw"),
+                ("train.fp8", t.fp8, ""), ("train.qk_clip", t.qk_clip, 0.0), ("train.dtype", t.dtype, "fp32"),
+                ("checkpoint.every", cfg.checkpoint.every, 0), ("checkpoint.resume", cfg.checkpoint.resume, "none"),
+                ("checkpoint.export_hf", cfg.checkpoint.export_hf, "")]
+    for key, value, off in features:
+        _require(value == off, f"{key}={value!r} is not yet available with ft.replicas={f.replicas}; set "
+                 f"{key}={off!r} or ft.replicas=0")
+    if p.dp:  # the batch: every live group must get whole micro-batches for each of its dp ranks
+        if not t.micro_batch:
+            _require(t.global_batch % (f.replicas * p.dp) == 0, f"train.global_batch={t.global_batch} does not "
+                     f"divide over ft.replicas*parallel.dp={f.replicas * p.dp} ranks; choose a multiple of "
+                     f"{f.replicas * p.dp} or set train.micro_batch")
+        units = t.global_batch // (ft_micro_batch(cfg) * p.dp) if t.global_batch % p.dp == 0 else 0
+        _require(units >= f.replicas, f"train.global_batch={t.global_batch} makes {units} micro-batches per "
+                 f"data-parallel rank of one group, fewer than ft.replicas={f.replicas}, so a group would have "
+                 "nothing to run; lower train.micro_batch or raise train.global_batch")
+    if cfg.debug.kill_replica:
+        group, _, step = cfg.debug.kill_replica.partition(":")
+        _require(group.isdigit() and step.isdigit() and int(group) < f.replicas and 1 <= int(step) <= t.steps,
+                 f"debug.kill_replica='{cfg.debug.kill_replica}' must be GROUP:STEP with GROUP below "
+                 f"ft.replicas={f.replicas} and STEP from 1 to train.steps={t.steps} (e.g. '1:3')")

@@ -59,7 +59,12 @@ def worker(config_path: str | None, overrides: list[str]) -> None:
     cfg, rank = None, int(os.environ.get("RANK", 0))
     try:
         cfg = load_config(config_path, overrides)
-        train(cfg)
+        if cfg.ft.replicas:  # one replica group of in-place healing (ft/group.py)
+            from fivefold.ft.group import train_group
+
+            train_group(cfg)
+        else:
+            train(cfg)
     except preemption.Stopped as stop:  # saved on a signal: say where, once, and exit for a requeue
         if os.environ.get(ERROR_DIR):
             _hand_to_launcher(faults.Failure(stop.sentence, preemption.EXIT_CODE, stopped=True), rank)
