@@ -5,7 +5,7 @@ run document masking: each cp method's attention against every document alone, a
 
 import pytest
 
-from layouts import (TP_WEIGHT_ATOL, assert_same_run, reference, run_layouts, tiny_config, with_documents,
+from layouts import (assert_same_run, reference, run_layouts, tiny_config, weight_atol, with_documents,
                      write_short_documents)
 from ranks import run_on_ranks
 from chat_data import make_qwen3_folder, prepare_folder
@@ -200,7 +200,9 @@ def test_chat_data_with_a_loss_mask(four_rank_results, chat_folder, index):
     # The single process accumulated in two micro-batch splits: a mean of micro-batch means would
     # move the loss by ~1e-2 between them; the global mean over trained tokens moves it by rounding.
     assert want.loss_noise < 1e-6, want.loss_noise
-    atol = TP_WEIGHT_ATOL if layout["parallel"].get("tp", 1) > 1 else 1e-5
+    # The harness's weight rule for the layout (tp's row-parallel sums, cp's blockwise softmax merges):
+    # under cp2 the ring's merges moved weights 6.2e-6 on torch's portable kernels, 0.62 of a plain 1e-5.
+    atol = weight_atol(layout["parallel"])
     for rank, results in enumerate(four_rank_results):
         assert_same_run(results[FIRST_SFT + index], want, weight_atol=atol, label=f"chat {SFT_LAYOUTS[index]} rank {rank}")
 
