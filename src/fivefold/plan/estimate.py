@@ -37,8 +37,8 @@ from fivefold.plan.memory.peak import (MemoryBreakdown, expert_shard_degree, ran
 from fivefold.models.block_weights import adapter_params_per_token
 from fivefold.plan.lora import adapter_param_counts, backward_share, matmul_share
 from fivefold.plan.muon import muon_step
-from fivefold.plan.pipeline.schedule import (PipelineRank, bubble_fraction, bubble_slots, chunks_per_rank,
-                                    pipeline_ranks)
+from fivefold.plan.pipeline.schedule import (V_SHAPED, PipelineRank, _pipeline_ranks, bubble_fraction,
+                                             bubble_slots, chunks_per_rank)
 from fivefold.plan.workload import Workload
 
 @dataclass
@@ -285,6 +285,51 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     return total_bytes, hidden, ahead, exposed
 
 
+@lru_cache(maxsize=4096)
+def _compositions(stats, ranks: tuple) -> tuple:
+    """One pipeline rank of each composition, the first of each: a micro-batch's time depends on a
+    rank's ends and how many layers of each kind it holds, not on which, so ranks alike are timed
+    once (a 32-stage pipeline has a handful of compositions)."""
+    composition = {(p.has_embedding, p.has_output,
+                    tuple((stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers, n) for i, n in p.kinds)): p
+                   for p in reversed(ranks)}
+    return tuple(composition.values())
+
+
+@lru_cache(maxsize=4096)
+def _heaviest(stats, tp: int, ep: int, ranks: tuple) -> PipelineRank:
+    """The pipeline rank with the most parameters (the first of those), by the degrees that split them."""
+    layout = Layout(tp=tp, ep=ep)
+    return max(ranks, key=lambda p: sum(rank_param_counts(stats, layout, p)))
+
+
+@lru_cache(maxsize=4096)
+def _most_partial(stats, ranks: tuple, moe_partial: float, mtp_partial: float) -> float:
+    """The most weights any rank holds whole on every tp rank with partial-sum gradients."""
+    return max(len(p.layers) * stats.latent_params + p.moe_layers * moe_partial + p.has_output * mtp_partial
+               for p in ranks)
+
+
+_MICROBATCH_MEMO: dict = {}
+
+
+def _rank_microbatch_memo(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
+                          prank: PipelineRank, links: dict, m: int, imbalance: float) -> tuple[dict, dict]:
+    """_rank_microbatch, once per what it reads: every layout field but the ZeRO stage, of which
+    only whether it is 3 (FSDP's gradient accumulation, plan/speed/grad_accum.py). A search times
+    each grid's ZeRO stages 0-2 with the same micro-batch (links follow from the degrees, the
+    workload's order and the device's node size). The dicts are shared: read them only."""
+    key = (workload, hw, runtime, prank, m, imbalance, layout.dp, layout.tp, layout.pp, layout.cp, layout.ep,
+           layout.mbs, layout.recompute, layout.pp_schedule, layout.pp_virtual, layout.dp_shard, layout.sp,
+           layout.cp_method, layout.pp_layers, layout.zero >= 3)
+    hit = _MICROBATCH_MEMO.get(key)
+    if hit is None:
+        if len(_MICROBATCH_MEMO) >= 65536:
+            _MICROBATCH_MEMO.clear()
+        hit = _MICROBATCH_MEMO[key] = _rank_microbatch(workload, layout, hw, runtime, prank, links, m, imbalance)
+    return hit
+
+
 @lru_cache(maxsize=256)
 def _model_flops_per_token(stats, seq_len: int, lora) -> float:
     """The model FLOPs of ModelStats.mfu (the one MFU formula: tokens/s x this / peak), a sum over
@@ -308,15 +353,11 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     links["ep"] = comm.expert_links(layout, order, gpn)[0]
     imbalance = rank_imbalance(workload, layout)
 
-    ranks = pipeline_ranks(stats, layout, workload.seq_len)
+    ranks = _pipeline_ranks(stats, layout.pp, chunks_per_rank(layout), layout.pp_schedule in V_SHAPED,
+                            layout.pp_layers, workload.seq_len)
     t_mb, worst, per_mb_bytes = 0.0, None, {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
-    # A micro-batch's time depends on a rank's ends and how many layers of each kind it holds, not
-    # on which: ranks alike are timed once (a 32-stage pipeline has a handful of compositions).
-    composition = {(p.has_embedding, p.has_output,
-                    tuple((stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers, n) for i, n in p.kinds)): p
-                   for p in reversed(ranks)}
-    for prank in composition.values():
-        seconds, nbytes = _rank_microbatch(workload, layout, hw, runtime, prank, links, m, imbalance)
+    for prank in _compositions(stats, ranks):
+        seconds, nbytes = _rank_microbatch_memo(workload, layout, hw, runtime, prank, links, m, imbalance)
         rank_time = sum(seconds.values())
         if worst is None or rank_time > t_mb:
             t_mb, worst = rank_time, seconds
@@ -332,7 +373,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     pipe_time = (m + slots) * t_mb
 
     # Data parallelism and the optimizer step, on the rank with the most parameters.
-    heaviest = max(ranks, key=lambda p: sum(rank_param_counts(stats, layout, p)))
+    heaviest = _heaviest(stats, layout.tp, layout.ep, ranks)
     dense, experts = rank_param_counts(stats, layout, heaviest)
     trained = adapter_param_counts(stats, layout, heaviest, workload.lora) if workload.lora.rank else None
     dp_bytes, dp_hidden, dp_ahead, dp_exposed = _dp_time(workload, layout, hw, runtime, dense, experts, m,
@@ -365,8 +406,8 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     # Multi-token prediction's eh_proj, whole on every tp rank, sees this rank's tokens under sp.
     mtp_partial = 2 * stats.dim * stats.dim * stats.mtp_depth if layout.sp else 0
     # (Under LoRA these weights are frozen: no gradient to sum; their adapters' are r/h of them.)
-    latent = (max(len(p.layers) * stats.latent_params + p.moe_layers * moe_partial + p.has_output * mtp_partial
-                  for p in ranks) * pr.grad_bytes * (layout.tp > 1) * (not workload.lora.rank))
+    latent = (_most_partial(stats, ranks, moe_partial, mtp_partial)
+              * pr.grad_bytes * (layout.tp > 1) * (not workload.lora.rank))
     latent_b = 2 * (layout.tp - 1) / layout.tp * latent
     latent_t = comm.all_reduce_time(latent, links["tp"], hw)
 

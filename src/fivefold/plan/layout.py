@@ -79,6 +79,21 @@ class Layout:
         return " ".join(parts)
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Layout))
+
+
+def replaced(layout: Layout, **changes) -> Layout:
+    """dataclasses.replace for a Layout, without its __init__: a copy of the fields with `changes`
+    (the search builds ~2 x 10^4 layouts; replace's generic path cost 8 us each). Same value."""
+    unknown = changes.keys() - _FIELDS
+    if unknown:
+        raise TypeError(f"Layout has no field {sorted(unknown)[0]}")
+    new = object.__new__(Layout)
+    new.__dict__.update(layout.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 _KINDS = {"dp": int, "zero": int, "tp": int, "pp": int, "cp": int, "ep": int, "mbs": int,
           "pp_virtual": int, "dp_shard": int, "sp": bool, "recompute": str, "pp_schedule": str,
           "cp_method": str, "pp_layers": str}

@@ -18,7 +18,7 @@ from fivefold.config import Config, ConfigError
 from fivefold.config.pipeline_rules import micro_batch_problem, pipeline_problem
 from fivefold.plan.estimate import Estimate, estimate
 from fivefold.plan.hardware import Hardware, Runtime
-from fivefold.plan.layout import Layout, config_with_layout
+from fivefold.plan.layout import Layout, config_with_layout, replaced
 from fivefold.plan.memory.peak import rank_memory, worst_rank_memory
 from fivefold.plan.pipeline.schedule import END_RELIEFS, end_relieved_splits, pipeline_ranks
 from fivefold.plan.workload import Workload
@@ -164,10 +164,10 @@ class LayoutGrid:
 
     @property
     def first(self) -> Layout:
-        return dataclasses.replace(self.one, zero=self.zeros[0], recompute=self.recomputes[0])
+        return replaced(self.one, zero=self.zeros[0], recompute=self.recomputes[0])
 
     def __iter__(self):
-        return iter([[dataclasses.replace(self.one, zero=z, recompute=r) for z in self.zeros]
+        return iter([[replaced(self.one, zero=z, recompute=r) for z in self.zeros]
                      for r in self.recomputes])
 
     def cheapest(self, settled: set):
@@ -177,7 +177,7 @@ class LayoutGrid:
         for recompute in self.recomputes:
             for zero in self.zeros:
                 if zero not in settled:
-                    yield dataclasses.replace(self.one, zero=zero, recompute=recompute)
+                    yield replaced(self.one, zero=zero, recompute=recompute)
             if len(settled) == len(self.zeros):
                 return
 
@@ -255,7 +255,7 @@ def end_relieved(workload: Workload, layout: Layout, hw: Hardware, runtime: Runt
         return None
     end = balanced.pipeline_rank
     for text, first, last in end_relieved_splits(workload.stats, layout, workload.seq_len):
-        relieved = dataclasses.replace(layout, pp_layers=text)
+        relieved = replaced(layout, pp_layers=text)
         # The end that did not fit, alone first: where it still does not, no rank's worst can fit
         # (most splits tried fail here, at a quarter of the ranks' work).
         prank = pipeline_ranks(workload.stats, relieved, workload.seq_len)[end]

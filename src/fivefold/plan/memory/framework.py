@@ -23,7 +23,7 @@ import dataclasses
 from functools import lru_cache
 
 from fivefold.plan.hardware import Hardware, Runtime
-from fivefold.plan.layout import Layout
+from fivefold.plan.layout import Layout, replaced
 from fivefold.plan.workload import Precision, Workload
 
 
@@ -63,7 +63,7 @@ def as_recomputed_by(layout: Layout, runtime: Runtime, hw: Hardware, stats) -> L
     counts that time whatever the setting.)"""
     if (layout.recompute == "selective" and runtime.selective_recompute == "attention_core"
             and hw.fuses_attention(stats)):
-        return dataclasses.replace(layout, recompute="none")
+        return replaced(layout, recompute="none")
     return layout
 
 
@@ -71,8 +71,13 @@ def communicators(layout: Layout) -> int:
     """NCCL communicators a rank joins: one per parallel dimension of more than one rank (tp, the
     pipeline's peers, cp, the data-parallel gradient group over dp x cp, ep and, under ep, the
     experts' data-parallel group)."""
-    groups = sum(n > 1 for n in (layout.tp, layout.pp, layout.cp, layout.dp * layout.cp, layout.ep))
-    if layout.ep > 1 and layout.dp * layout.cp * layout.tp // layout.ep > 1:
+    return _communicators(layout.tp, layout.pp, layout.cp, layout.dp, layout.ep)
+
+
+@lru_cache(maxsize=4096)
+def _communicators(tp: int, pp: int, cp: int, dp: int, ep: int) -> int:
+    groups = sum(n > 1 for n in (tp, pp, cp, dp * cp, ep))
+    if ep > 1 and dp * cp * tp // ep > 1:
         groups += 1
     return groups
 

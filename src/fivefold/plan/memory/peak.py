@@ -6,14 +6,13 @@ Activations are counted in plan/memory/activations.py.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fivefold.plan.memory.activations import activation_fields, ranks_activation_bytes
 from fivefold.plan.memory.framework import as_recomputed_by, as_run_by, process_bytes
 from fivefold.plan.hardware import Hardware, Runtime
-from fivefold.plan.layout import Layout
+from fivefold.plan.layout import Layout, replaced
 from fivefold.plan.lora import adapter_param_counts, layer_adapter_params
 from fivefold.plan.model_stats import ModelStats
 from fivefold.plan.pipeline.schedule import V_SHAPED, PipelineRank, _pipeline_ranks, chunks_per_rank
@@ -134,7 +133,7 @@ def as_trained(layout: Layout) -> Layout:
     """The layout the trainer runs: with dp·cp = 1 there is nothing to shard, so it ignores
     parallel.zero (and says so: config/validate.py ignored_options) and holds what zero 0 holds."""
     if layout.zero and layout.dp * layout.cp == 1:
-        return dataclasses.replace(layout, zero=0)
+        return replaced(layout, zero=0)
     return layout
 
 
@@ -306,10 +305,27 @@ def candidate_ranks(workload: Workload, layout: Layout) -> tuple[tuple[int, Pipe
                             layout.micro_batches(workload.global_batch))
 
 
+class _Ranks(tuple):
+    """A tuple of (index, pipeline rank) pairs that hashes once: the memo tables of a rank's state
+    and activations are keyed by it, looked up ~10^4 times per search with the same few sets."""
+
+    def __hash__(self):
+        try:
+            return self.__dict__["hash"]
+        except KeyError:
+            value = self.__dict__["hash"] = tuple.__hash__(self)
+            return value
+
+
 @lru_cache(maxsize=8192)
 def _candidate_ranks(workload: Workload, p: int, v: int, schedule: str, pp_layers: str,
                      m: int) -> tuple[tuple[int, PipelineRank], ...]:
     """candidate_ranks by what they depend on, the pipeline's shape (not dp, tp or ZeRO)."""
+    return _Ranks(_candidate_rank_pairs(workload, p, v, schedule, pp_layers, m))
+
+
+def _candidate_rank_pairs(workload: Workload, p: int, v: int, schedule: str, pp_layers: str,
+                          m: int) -> tuple[tuple[int, PipelineRank], ...]:
     stats = workload.stats
     ranks = _pipeline_ranks(stats, p, v, schedule in V_SHAPED, pp_layers, workload.seq_len)
     if len(ranks) <= 2 or any(not chunk for prank in ranks for chunk in prank.chunks):

@@ -166,10 +166,15 @@ def in_flight_per_chunk(layout: Layout, rank: int, micro_batches: int) -> tuple[
       zb (torch's interleaved zero bubble): its input-gradient pass keeps the graph for the
           weight pass, so (v-1)·g + p forwards, on every rank;
       zbv: the first chunk 2p-1-rank, the second rank+1; dualpipev: 2p-rank and rank+1."""
-    p, m, v = layout.pp, micro_batches, chunks_per_rank(layout)
+    return _in_flight_per_chunk(layout.pp, micro_batches, chunks_per_rank(layout), layout.pp_schedule, rank)
+
+
+@lru_cache(maxsize=16384)
+def _in_flight_per_chunk(p: int, m: int, v: int, sched: str, rank: int) -> tuple[int, ...]:
+    """in_flight_per_chunk by what it reads (a search asks for the same ranks of a pipeline at
+    every dp, tp, ZeRO stage and recomputation)."""
     if p == 1:
         return (1,)
-    sched = layout.pp_schedule
     if sched == "gpipe":
         return (m,)
     if sched == "1f1b":
