@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,7 +50,12 @@ def layout_test_files() -> list[str]:
 def run_path(name: str, env_extra: dict[str, str], files: list[str], pytest_args: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(prefix=f"margins-{name}-", suffix=".jsonl", delete=False) as log:
         log_path = log.name
-    env = {**os.environ, **env_extra, "FIVEFOLD_TOLERANCE_LOG": log_path, "OMP_NUM_THREADS": "1"}
+    # Inductor's caches are keyed without the kernel path: a graph compiled under another path would
+    # come back as C++ written for that path's vector instructions, which the build under `default`
+    # then fails on ("'at::vec' has not been declared", torch 2.13). Each path compiles afresh.
+    inductor_cache = tempfile.mkdtemp(prefix=f"inductor-{name}-")
+    env = {**os.environ, **env_extra, "FIVEFOLD_TOLERANCE_LOG": log_path, "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, *files],
                           env=env, capture_output=True, text=True, cwd=TESTS.parent)
@@ -57,6 +63,7 @@ def run_path(name: str, env_extra: dict[str, str], files: list[str], pytest_args
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
     os.unlink(log_path)
+    shutil.rmtree(inductor_cache, ignore_errors=True)
     return {"path": name, "env": env_extra, "exit": proc.returncode, "summary": summary[0], "failed": failed,
             "seconds": round(time.monotonic() - start), "rows": rows}
 
