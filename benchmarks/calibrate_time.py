@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import planner_accuracy as acc  # noqa: E402
 from fivefold.plan import fitted  # noqa: E402
-from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER, NANOTRON_RUNTIME, hardware_for  # noqa: E402
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import FIVEFOLD_COMPILED, FIVEFOLD_EAGER, NANOTRON_RUNTIME  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FITTED = REPO / "src" / "fivefold" / "plan" / "fitted.py"

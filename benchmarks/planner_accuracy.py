@@ -31,7 +31,8 @@ from pathlib import Path
 
 from fivefold.config import ModelConfig
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import FIVEFOLD_EAGER, NANOTRON_RUNTIME, hardware_for
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import FIVEFOLD_EAGER, NANOTRON_RUNTIME
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import model_stats
 from fivefold.plan.workload import PRECISIONS, Workload
@@ -159,7 +160,7 @@ def titan_layout(row: dict) -> Layout:
 
 
 def titan_runtime(row: dict, eager=None, compiled=None):
-    from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER
+    from fivefold.plan.speed.frameworks import FIVEFOLD_COMPILED, FIVEFOLD_EAGER
     runtime = (compiled or FIVEFOLD_COMPILED) if row["compile"] == "true" else (eager or FIVEFOLD_EAGER)
     # torchtitan's own behaviour where it differs from fivefold's: FP8 linears, FSDP blocks kept
     # gathered over a pipeline's micro-batches, and logits made whole for the loss (no fused
@@ -306,7 +307,7 @@ def _print_titan(path: Path, rows: list[dict]) -> dict:
 PUBLISHED_CSV = REPO / ".." / "shared" / "data" / "published_runs_dev.csv"
 PUBLISHED_TOOL = REPO / ".." / "shared" / "tools" / "published_runs.py"
 # The framework each published run was made with, by a word of its source, and the planner
-# profile that stands for it (plan/hardware.py FRAMEWORKS: what each overlaps).
+# profile that stands for it (plan/speed/frameworks.py FRAMEWORKS: what each overlaps).
 FRAMEWORK_BY_SOURCE = (
     ("Korthikanti", "megatron-2022"),  # Megatron-LM on Selene, 2022
     ("Narayanan", "megatron-2022"),  # Megatron-LM, 2021

@@ -14,7 +14,7 @@ from fivefold.cli import commands as cli
 from fivefold.config import ConfigError
 from fivefold.configure import load_config
 from fivefold.plan import auto
-from fivefold.plan.hardware import DEFAULT_RUNTIME, runtime_for
+from fivefold.plan.speed.frameworks import DEFAULT_RUNTIME, runtime_for
 from fivefold.plan.layout import config_with_layout, layout_from_config
 from fivefold.plan.search import search, without_ignored
 from fivefold.plan.workload import workload_from_config

@@ -311,7 +311,8 @@ def test_planner_credits_fp8_only_to_fp8_runs(capsys):
     from fivefold.configure import load_config
     from fivefold.plan.cli import run_plan
     from fivefold.plan.estimate import estimate
-    from fivefold.plan.hardware import FIVEFOLD_EAGER, hardware_for
+    from fivefold.plan.hardware import hardware_for
+    from fivefold.plan.speed.frameworks import FIVEFOLD_EAGER
     from fivefold.plan.layout import Layout
     from fivefold.plan.workload import workload_from_config
 

@@ -85,7 +85,7 @@ def _estimate(mbs, runtime, tp=1, layers=4, gpus_per_node=8):
 def test_launch_overhead_shows_only_where_kernels_are_short():
     import dataclasses
 
-    from fivefold.plan.hardware import FIVEFOLD_EAGER
+    from fivefold.plan.speed.frameworks import FIVEFOLD_EAGER
 
     slow_host = dataclasses.replace(FIVEFOLD_EAGER, launch_s=100e-6)  # 11 ms of launches per layer
     short = _estimate(1, slow_host)  # 1 sequence per micro-batch: a layer's kernels take ~4 ms
@@ -97,7 +97,7 @@ def test_launch_overhead_shows_only_where_kernels_are_short():
 
 
 def test_only_the_nanotron_profile_has_the_large_cluster_stall():
-    from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER, NANOTRON_RUNTIME
+    from fivefold.plan.speed.frameworks import FIVEFOLD_COMPILED, FIVEFOLD_EAGER, NANOTRON_RUNTIME
 
     assert FIVEFOLD_EAGER.slot_stall_s == FIVEFOLD_COMPILED.slot_stall_s == 0
     assert FIVEFOLD_EAGER.pp_cross_node_wait_per_tp_peer_s == 0
@@ -106,7 +106,7 @@ def test_only_the_nanotron_profile_has_the_large_cluster_stall():
 
 
 def test_every_prediction_carries_its_uncertainty_band():
-    from fivefold.plan.hardware import FIVEFOLD_EAGER
+    from fivefold.plan.speed.frameworks import FIVEFOLD_EAGER
 
     est = _estimate(2, FIVEFOLD_EAGER)
     band = est.to_json()["tokens_per_sec_band"]
@@ -119,7 +119,8 @@ def test_a_compiled_run_is_planned_with_the_compiled_profile():
     chains): plan_layout, the CLI's evaluation and the search all see it."""
     from fivefold.configure import load_config
     from fivefold.plan import estimate, plan_layout, workload_from_config
-    from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER, hardware_for
+    from fivefold.plan.hardware import hardware_for
+    from fivefold.plan.speed.frameworks import FIVEFOLD_COMPILED, FIVEFOLD_EAGER
     from fivefold.plan.layout import layout_from_config
 
     eager = load_config("llama3-8b", [])

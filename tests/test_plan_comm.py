@@ -188,7 +188,7 @@ def test_ep_borrowing_tp_traffic_and_time_by_hand():
     import dataclasses
 
     from fivefold.plan.estimate import estimate
-    from fivefold.plan.hardware import DEFAULT_RUNTIME
+    from fivefold.plan.speed.frameworks import DEFAULT_RUNTIME
 
     # Mixtral 8x7B (32 MoE layers, dim 4096, top-2), seq 4096, bf16, dp2 tp2 cp2 ep8 (ep > dp·cp = 4:
     # it borrows tp), mbs 1, global batch 8: m = 8 / 2 = 4 micro-batches. Per micro-batch a rank
@@ -219,7 +219,7 @@ def test_ep_borrowing_tp_traffic_and_time_by_hand():
 
 def test_expert_gradients_reduce_over_the_edp_group_only():
     from fivefold.plan.estimate import estimate
-    from fivefold.plan.hardware import DEFAULT_RUNTIME
+    from fivefold.plan.speed.frameworks import DEFAULT_RUNTIME
     from fivefold.plan.memory.peak import rank_param_counts
     from fivefold.plan.pipeline.schedule import pipeline_ranks
 

@@ -13,7 +13,8 @@ from fivefold.plan.memory.activations import layer_activation_bytes
 from fivefold.plan.speed.attention import attention_seconds
 from fivefold.plan.estimate import estimate
 from fivefold.plan.memory.framework import communicators, process_bytes
-from fivefold.plan.hardware import FIVEFOLD_EAGER, MEGATRON_2022_RUNTIME, MEGATRON_RUNTIME, PROFILES, hardware_for
+from fivefold.plan.hardware import PROFILES, hardware_for
+from fivefold.plan.speed.frameworks import FIVEFOLD_EAGER, MEGATRON_2022_RUNTIME, MEGATRON_RUNTIME
 from fivefold.plan.layout import Layout
 from fivefold.plan.memory.peak import rank_memory
 from fivefold.plan.model_stats import model_stats

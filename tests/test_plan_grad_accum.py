@@ -11,7 +11,8 @@ import pytest
 from fivefold.config import ModelConfig
 from fivefold.plan.estimate import estimate
 from fivefold.plan.speed.grad_accum import accumulation_bytes_per_weight
-from fivefold.plan.hardware import FIVEFOLD_EAGER, MEGATRON_2022_RUNTIME, hardware_for
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import FIVEFOLD_EAGER, MEGATRON_2022_RUNTIME
 from fivefold.plan.layout import Layout
 from fivefold.plan.lora import Lora, adapter_param_counts
 from fivefold.plan.memory.peak import rank_param_counts

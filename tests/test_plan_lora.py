@@ -16,7 +16,8 @@ from fivefold.configure import load_config
 from fivefold.mesh import ParallelDims
 from fivefold.plan.cli import run_plan
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import hardware_for, runtime_for
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import runtime_for
 from fivefold.plan.layout import Layout, layout_from_config
 from fivefold.plan.lora import adapter_param_counts
 from fivefold.plan.memory.peak import as_trained, rank_memory, rank_state_bytes

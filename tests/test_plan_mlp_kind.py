@@ -13,7 +13,8 @@ from fivefold.configure import load_config
 from fivefold.plan.memory.activations import layer_activation_bytes, layer_activation_elements
 from fivefold.plan.estimate import estimate
 from fivefold.plan.speed.gemm import layer_gemms
-from fivefold.plan.hardware import hardware_for, runtime_for
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import runtime_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.workload import workload_from_config
 

@@ -11,7 +11,8 @@ import pytest
 from fivefold.configure import load_config
 from fivefold.plan import comm
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import DEFAULT_RUNTIME, NANOTRON_RUNTIME, hardware_for
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import DEFAULT_RUNTIME, NANOTRON_RUNTIME
 from fivefold.plan.layout import Layout, parse_layout
 from fivefold.plan.memory.activations import fivefold_layer_bytes, layer_activation_elements
 from fivefold.plan.memory.peak import model_state_bytes, rank_memory, rank_param_counts, worst_rank_memory

@@ -19,7 +19,8 @@ from fivefold.plan.memory.activations import fivefold_layer_bytes
 from fivefold.plan.estimate import estimate
 from fivefold.plan.speed.gemm import M_TILE, expected_padded_rows
 from fivefold.plan.speed.expert_load import expected_max_normal, rank_imbalance, routing_noise_imbalance
-from fivefold.plan.hardware import FIVEFOLD_EAGER, hardware_for
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import FIVEFOLD_EAGER
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import model_stats
 from fivefold.plan.workload import PRECISIONS, Workload

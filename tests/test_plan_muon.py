@@ -14,7 +14,8 @@ from fivefold.configure import load_config
 from fivefold.config.presets import PRESETS
 from fivefold.plan.cli import run_plan
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import hardware_for, runtime_for
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import runtime_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.block_matrices import block_matrices
 from fivefold.plan.muon import BUCKET_BYTES

@@ -59,7 +59,7 @@ def test_megatron_profile_out_of_sample(rows):
         lomo += [abs(rows.error(n, alone)) for n in calib.FIT + calib.HELD_OUT if calib._model(n) == model]
     assert statistics.median(lomo) <= OUT_OF_SAMPLE_BOUND
     # the band `plan` prints for the profile is this leave-one-model-out error, not the in-sample one
-    from fivefold.plan.hardware import MEGATRON_RUNTIME
+    from fivefold.plan.speed.frameworks import MEGATRON_RUNTIME
     band = (statistics.median(lomo), calib.quantile(lomo, 0.9))
     assert MEGATRON_RUNTIME.tokens_per_sec_error == pytest.approx(band, abs=1e-3)
 
@@ -103,7 +103,7 @@ def _left_out_errors(problem, models):
 
 @needs_time_data
 def test_nanotron_profile_out_of_sample(time_problem):
-    from fivefold.plan.hardware import NANOTRON_RUNTIME
+    from fivefold.plan.speed.frameworks import NANOTRON_RUNTIME
 
     errors = _left_out_errors(time_problem, calib_time.PLAYBOOK_MODELS)
     assert len(errors) == 1620
@@ -115,7 +115,7 @@ def test_nanotron_profile_out_of_sample(time_problem):
 
 @needs_time_data
 def test_fivefold_profiles_out_of_sample(time_problem):
-    from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER
+    from fivefold.plan.speed.frameworks import FIVEFOLD_COMPILED, FIVEFOLD_EAGER
 
     errors = _left_out_errors(time_problem, calib_time.TITAN_MODELS)
     assert len(errors) == 18

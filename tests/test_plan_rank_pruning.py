@@ -8,7 +8,8 @@ import pytest
 
 from fivefold.configure import load_config
 from fivefold.plan.memory import peak as memory
-from fivefold.plan.hardware import hardware_for, runtime_for
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import runtime_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.pipeline.schedule import pipeline_ranks
 from fivefold.plan.workload import workload_from_config

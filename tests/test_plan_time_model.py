@@ -12,8 +12,8 @@ from fivefold.config import ModelConfig
 from fivefold.config.schema import MoEConfig
 from fivefold.plan.speed import gemm
 from fivefold.plan.estimate import estimate
-from fivefold.plan.hardware import (FIVEFOLD_EAGER, FRAMEWORKS, MEGATRON_2022_RUNTIME, MEGATRON_RUNTIME,
-                                    hardware_for, runtime_for)
+from fivefold.plan.hardware import hardware_for
+from fivefold.plan.speed.frameworks import FIVEFOLD_EAGER, FRAMEWORKS, MEGATRON_2022_RUNTIME, MEGATRON_RUNTIME, runtime_for
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import model_stats
 from fivefold.plan.workload import PRECISIONS, Workload
@@ -181,7 +181,7 @@ def test_a_framework_reducing_gradients_in_bf16_moves_half_the_data_parallel_byt
 def test_deepspeeds_pipeline_engine_sends_whole_activations_and_accumulates_with_autograd():
     """Megatron-DeepSpeed (MT-NLG, BLOOM): the same layout as Megatron-LM sends tp times the
     pipeline bytes (no scatter over tp ranks) and pays an accumulation pass Megatron fuses."""
-    from fivefold.plan.hardware import MEGATRON_DEEPSPEED_RUNTIME
+    from fivefold.plan.speed.frameworks import MEGATRON_DEEPSPEED_RUNTIME
 
     work, layout = _workload(batch=64), Layout(dp=2, tp=8, pp=4, zero=1, mbs=1, sp=False)
     hw = hardware_for("a100", 8)

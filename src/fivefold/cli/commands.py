@@ -118,7 +118,7 @@ def _auto_layout(own, args: list[str], config_path: str | None, overrides: list[
 
     from fivefold.plan import auto
     from fivefold.plan.compile_choice import planned_compile
-    from fivefold.plan.hardware import runtime_for
+    from fivefold.plan.speed.frameworks import runtime_for
     from fivefold.configure.machine import check_machine
 
     if own.sweep < 0 or (own.sweep and (torchrun or own.nnodes > 1 or own.dry_run)):

@@ -6,7 +6,8 @@ search the best one. Pure Python arithmetic: no torch, answers in milliseconds.
 
 from fivefold.plan.compile_choice import planned_compile
 from fivefold.plan.estimate import Estimate, estimate
-from fivefold.plan.hardware import DEFAULT_RUNTIME, PROFILES, Hardware, Runtime, hardware_for, runtime_for
+from fivefold.plan.hardware import PROFILES, Hardware, Runtime, hardware_for
+from fivefold.plan.speed.frameworks import DEFAULT_RUNTIME, runtime_for
 from fivefold.plan.layout import Layout, parse_layout
 from fivefold.plan.model_stats import ModelStats, model_stats
 from fivefold.plan.search import SearchResult, search

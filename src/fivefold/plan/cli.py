@@ -18,7 +18,8 @@ from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig
 from fivefold.plan.compile_choice import planned_compile
 from fivefold.plan.estimate import estimate
 from fivefold.plan.goodput import goodput
-from fivefold.plan.hardware import FRAMEWORKS, PROFILES, hardware_from_cluster, runtime_for
+from fivefold.plan.hardware import PROFILES, hardware_from_cluster
+from fivefold.plan.speed.frameworks import FRAMEWORKS, runtime_for
 from fivefold.plan.layout import Layout, layout_from_config, parse_layout, parse_layout_line
 from fivefold.plan.report import plot_memory, table, to_json
 from fivefold.plan.pipeline.short_chunks import NOTE as SHORT_CHUNKS_NOTE, planner_only, trainer_stand_in

@@ -7,7 +7,7 @@ a share of every step after it. `auto` takes the bet when
     steps x (eager step - compiled step) > block kinds x cold compile time
 
 with the step times predicted for the run's layout and device: on CUDA by the planner's eager and
-compiled runtime profiles (plan/hardware.py) on `cluster.gpu`; on a CPU from the model's FLOPs at
+compiled runtime profiles (plan/speed/frameworks.py) on `cluster.gpu`; on a CPU from the model's FLOPs at
 the rate and the compiled gain measured in benchmarks/RESULTS.md ("Compiled blocks on this CPU").
 A block kind is one compiled graph: identical blocks share it, while dense and MoE layers, or
 sliding and full attention layers, make one each. The cold compile times are the measured ones,
@@ -48,7 +48,8 @@ def predicted_step_seconds(cfg, device_type: str, threads: int = 1) -> tuple[flo
     """(eager, compiled) step seconds of this run on `device_type`."""
     if device_type == "cuda":
         from fivefold.plan.estimate import estimate
-        from fivefold.plan.hardware import FIVEFOLD_COMPILED, FIVEFOLD_EAGER, hardware_from_cluster
+        from fivefold.plan.hardware import hardware_from_cluster
+        from fivefold.plan.speed.frameworks import FIVEFOLD_COMPILED, FIVEFOLD_EAGER
         from fivefold.plan.layout import layout_from_config
         from fivefold.plan.workload import workload_from_config
 

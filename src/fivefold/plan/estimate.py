@@ -20,7 +20,6 @@ transfers are exposed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from fivefold.plan import comm
 
@@ -34,9 +33,10 @@ from fivefold.plan.layout import Layout
 from fivefold.plan.memory.activations import keeps_gathered, rank_activation_elements
 from fivefold.plan.memory.peak import (MemoryBreakdown, expert_shard_degree, rank_param_counts, root_params,
                                   worst_rank_memory)
-from fivefold.models.block_weights import adapter_params_per_token
 from fivefold.plan.lora import adapter_param_counts, backward_share, matmul_share
 from fivefold.plan.muon import muon_step
+from fivefold.plan.pipeline.rank_kinds import distinct_compositions, heaviest_rank, most_partial_weights
+from fivefold.plan.speed.flops import float8_flops_per_token, model_flops_per_token
 from fivefold.plan.pipeline.schedule import (V_SHAPED, PipelineRank, _pipeline_ranks, bubble_fraction,
                                              bubble_slots, chunks_per_rank)
 from fivefold.plan.workload import Workload
@@ -91,20 +91,6 @@ class Estimate:
                 **({"muon": self.muon} if self.muon else {})}
 
 
-def _float8_flops_per_token(stats, groups, seq: int) -> float:
-    """The matmul FLOPs train.fp8 runs in FP8 (parallel/float8.py): the layers' dense projections,
-    not attention's score and value products, the MoE layers (router, experts), MLA's latent
-    down-projections, multi-token prediction's eh_proj or the output layer."""
-    total = 0.0
-    for layer, count in groups:
-        flops = (stats.layer_flops_per_token(layer, seq) - stats.layer_attention_flops_per_token(layer, seq)
-                 - stats.moe_flops_per_token(layer) - 6.0 * stats.latent_params)
-        if layer >= stats.n_layers:  # a multi-token-prediction block: its output layer and eh_proj
-            flops -= stats.output_flops_per_token + 12.0 * stats.dim * stats.dim
-        total += count * max(0.0, flops)
-    return total
-
-
 def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                      prank: PipelineRank, links: dict, m: int, imbalance: float) -> tuple[dict, dict]:
     """(seconds by cause, bytes by dimension) of one micro-batch's forward + backward on one
@@ -136,7 +122,7 @@ def _rank_microbatch(workload: Workload, layout: Layout, hw: Hardware, runtime: 
         attn = stats.layer_attention_flops_per_token(layer, seq)
         experts = stats.moe_flops_per_token(layer)
         dense = stats.layer_flops_per_token(layer, seq) - attn - experts
-        in_fp8 = _float8_flops_per_token(stats, ((layer, 1),), seq) if fp8 else 0.0
+        in_fp8 = float8_flops_per_token(stats, ((layer, 1),), seq) if fp8 else 0.0
         seconds = ((dense - in_fp8) / eff_dense + in_fp8 / eff_fp8 + experts / eff_experts) / peak
         core = attention_seconds(stats, layer, seq, rows, hw, runtime.attention_kernel, layout.recompute,
                                   runtime.attention_rate)
@@ -285,31 +271,6 @@ def _dp_time(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     return total_bytes, hidden, ahead, exposed
 
 
-@lru_cache(maxsize=4096)
-def _compositions(stats, ranks: tuple) -> tuple:
-    """One pipeline rank of each composition, the first of each: a micro-batch's time depends on a
-    rank's ends and how many layers of each kind it holds, not on which, so ranks alike are timed
-    once (a 32-stage pipeline has a handful of compositions)."""
-    composition = {(p.has_embedding, p.has_output,
-                    tuple((stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers, n) for i, n in p.kinds)): p
-                   for p in reversed(ranks)}
-    return tuple(composition.values())
-
-
-@lru_cache(maxsize=4096)
-def _heaviest(stats, tp: int, ep: int, ranks: tuple) -> PipelineRank:
-    """The pipeline rank with the most parameters (the first of those), by the degrees that split them."""
-    layout = Layout(tp=tp, ep=ep)
-    return max(ranks, key=lambda p: sum(rank_param_counts(stats, layout, p)))
-
-
-@lru_cache(maxsize=4096)
-def _most_partial(stats, ranks: tuple, moe_partial: float, mtp_partial: float) -> float:
-    """The most weights any rank holds whole on every tp rank with partial-sum gradients."""
-    return max(len(p.layers) * stats.latent_params + p.moe_layers * moe_partial + p.has_output * mtp_partial
-               for p in ranks)
-
-
 _MICROBATCH_MEMO: dict = {}
 
 
@@ -330,14 +291,6 @@ def _rank_microbatch_memo(workload: Workload, layout: Layout, hw: Hardware, runt
     return hit
 
 
-@lru_cache(maxsize=256)
-def _model_flops_per_token(stats, seq_len: int, lora) -> float:
-    """The model FLOPs of ModelStats.mfu (the one MFU formula: tokens/s x this / peak), a sum over
-    every layer: computed once per model, sequence and LoRA, not for each of a search's layouts."""
-    adapters = adapter_params_per_token(stats, lora.rank, lora.targets) if lora.rank else None
-    return stats.mfu(seq_len, 1.0, 1.0, adapters)  # x 1 and / 1 are exact: the FLOPs themselves
-
-
 def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
              memory: MemoryBreakdown | None = None) -> Estimate:
     """Predict one layout (memory may be passed in when the caller already computed it)."""
@@ -356,7 +309,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     ranks = _pipeline_ranks(stats, layout.pp, chunks_per_rank(layout), layout.pp_schedule in V_SHAPED,
                             layout.pp_layers, workload.seq_len)
     t_mb, worst, per_mb_bytes = 0.0, None, {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0}
-    for prank in _compositions(stats, ranks):
+    for prank in distinct_compositions(stats, ranks):
         seconds, nbytes = _rank_microbatch_memo(workload, layout, hw, runtime, prank, links, m, imbalance)
         rank_time = sum(seconds.values())
         if worst is None or rank_time > t_mb:
@@ -373,7 +326,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     pipe_time = (m + slots) * t_mb
 
     # Data parallelism and the optimizer step, on the rank with the most parameters.
-    heaviest = _heaviest(stats, layout.tp, layout.ep, ranks)
+    heaviest = heaviest_rank(stats, layout.tp, layout.ep, ranks)
     dense, experts = rank_param_counts(stats, layout, heaviest)
     trained = adapter_param_counts(stats, layout, heaviest, workload.lora) if workload.lora.rank else None
     dp_bytes, dp_hidden, dp_ahead, dp_exposed = _dp_time(workload, layout, hw, runtime, dense, experts, m,
@@ -406,7 +359,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
     # Multi-token prediction's eh_proj, whole on every tp rank, sees this rank's tokens under sp.
     mtp_partial = 2 * stats.dim * stats.dim * stats.mtp_depth if layout.sp else 0
     # (Under LoRA these weights are frozen: no gradient to sum; their adapters' are r/h of them.)
-    latent = (_most_partial(stats, ranks, moe_partial, mtp_partial)
+    latent = (most_partial_weights(stats, ranks, moe_partial, mtp_partial)
               * pr.grad_bytes * (layout.tp > 1) * (not workload.lora.rank))
     latent_b = 2 * (layout.tp - 1) / layout.tp * latent
     latent_t = comm.all_reduce_time(latent, links["tp"], hw)
@@ -417,7 +370,7 @@ def estimate(workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime,
                 key=lambda s: s.seconds) if workload.muon else None)
     step = pipe_time + dp_visible + optim_time + latent_t + (muon.seconds if muon else 0.0)
     tok_s_gpu = workload.tokens_per_step / step / layout.world_size
-    mfu = tok_s_gpu * _model_flops_per_token(stats, workload.seq_len, workload.lora) / hw.peak_flops
+    mfu = tok_s_gpu * model_flops_per_token(stats, workload.seq_len, workload.lora) / hw.peak_flops
     parts = {k: m * v for k, v in worst.items()}
     parts.update({"bubble": slots * t_mb, "dp": dp_visible, "optimizer": optim_time})
     parts["tp"] += latent_t
