@@ -249,6 +249,9 @@ class DebugConfig:
     # (after its forward and backward, before the gradients cross the groups; a group that healed past STEP: at
     # its first step after), once; the group is started again
     kill_replica: str = ""
+    # a replica group started again (ft.replicas) waits this long before it joins the quorum, so the live groups
+    # train steps without it first (with ft.min_replicas below ft.replicas)
+    rejoin_delay_s: float = checked(0.0, ge=0)
 
 
 @dataclass

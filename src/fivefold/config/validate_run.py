@@ -127,6 +127,8 @@ def check_ft(cfg: Config) -> None:
     if not f.replicas:
         _require(not cfg.debug.kill_replica, f"debug.kill_replica='{cfg.debug.kill_replica}' kills a replica "
                  "group, and ft.replicas=0 starts none; set ft.replicas (e.g. 2) or remove debug.kill_replica")
+        _require(not cfg.debug.rejoin_delay_s, f"debug.rejoin_delay_s={cfg.debug.rejoin_delay_s} delays a restarted "
+                 "replica group, and ft.replicas=0 starts none; set ft.replicas (e.g. 2) or remove debug.rejoin_delay_s")
         return
     _require(f.min_replicas <= f.replicas, f"ft.min_replicas={f.min_replicas} exceeds ft.replicas={f.replicas}, so "
              f"no step could commit; lower ft.min_replicas or raise ft.replicas")

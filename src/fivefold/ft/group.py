@@ -58,6 +58,10 @@ def train_group(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     writer = MetricsWriter(cfg.log.dir, rt.is_main, cfg.log.every, t.steps, cfg.log.tensorboard, cfg.log.progress)
     writer.note(par.describe() + f" | replica group {group} of {cfg.ft.replicas} ({cfg.ft.mode})")
     state = HealingState(par, optimizer, scheduler, sampler)
+    restarted, first, waited_from = os.environ.get(ATTEMPT_ENV, "0") != "0", True, time.monotonic()
+    if restarted and cfg.debug.rejoin_delay_s:  # the live groups train without this one meanwhile
+        writer.note(f"replica group {group} waits debug.rejoin_delay_s={cfg.debug.rejoin_delay_s:g} s before it joins")
+        time.sleep(cfg.debug.rejoin_delay_s)
     manager = _manager(cfg, rt, state, tf)
     job_log = _JobLog(job_dir, rt.is_main)
     records = StepRecords(cfg, rt, par, writer, held_out, sampler)
@@ -65,11 +69,14 @@ def train_group(cfg: Config, rt: Runtime | None = None) -> TrainResult:
     micro = ft_micro_batch(cfg)
     n_micro, dp = t.global_batch // micro, cfg.parallel.dp
     kill_step = _kill_step(cfg)
-    restarted, first = os.environ.get(ATTEMPT_ENV, "0") != "0", True
     try:
         while first or manager.current_step() < t.steps:  # done: no quorum to wait for
             manager.start_quorum()  # synchronous: a group behind the others heals here
             step = manager.current_step()
+            if first and not restarted and step == 0 and manager.num_participants() < cfg.ft.replicas:
+                if time.monotonic() - waited_from < cfg.parallel.timeout_s:  # the job starts with every group
+                    time.sleep(0.5)
+                    continue
             if state.healed_at == step:
                 writer.note(f"replica group {group} healed from a live peer: continuing at step {step + 1}")
             if first and restarted and state.healed_at is None and manager.num_participants() == 1:
