@@ -56,6 +56,9 @@ def test_compile_time_is_in_the_step_record_and_the_console(monkeypatch, capsys)
 
     # aot_eager: Dynamo and AOT autograd trace and time the same way as Inductor, without its C++ build.
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    # Dynamo keeps what it compiled for the process: an earlier test in this worker that compiled the
+    # same blocks would leave this run's first step nothing to compile.
+    torch._dynamo.reset()
     cfg = load_config(None, {"train": {"compile": True, "steps": 2, "seq_len": 32, "global_batch": 4},
                              "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128},
                              "data": {"builtin_max_bytes": 100_000}, "log": {"progress": True}})

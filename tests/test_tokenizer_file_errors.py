@@ -71,8 +71,8 @@ def test_a_training_rank_whose_tokenizer_was_damaged_after_the_check(tok, monkey
     """The launcher's validation read a whole file; the rank reads it again and finds it cut short."""
     validate = trainer.validate
 
-    def then_damage(*args):
-        validate(*args)
+    def then_damage(*args, **kwargs):
+        validate(*args, **kwargs)
         _cut_short(tok)
 
     monkeypatch.setattr(trainer, "validate", then_damage)
