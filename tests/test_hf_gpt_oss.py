@@ -375,6 +375,8 @@ GPT_OSS = ["--model.preset", "tiny-gpt-oss", "--train.seq_len", "32", "--train.g
      "DeepSeek's YaRN scalings, not available in model.family=gpt_oss"),
     ([*GPT_OSS, "--model.rope_scaling", "8"], "model.rope_yarn_factor=32.0 and model.rope_scaling=8.0 are two "
      "RoPE scalings"),
+    ([*GPT_OSS, "--model.rope_yarn_factor", "0", "--model.rope_scaling", "8"], "model.rope_scaling=8.0 (Llama 3.1 "
+     "RoPE) is not available in model.family=gpt_oss; use model.rope_yarn_factor"),
 ])
 def test_what_fivefold_cannot_do_yet_is_one_sentence(argv, fragment, capsys):
     assert fragment in _dry_run(argv, capsys)

@@ -30,6 +30,10 @@ FAMILY_KEYS: dict[str, tuple[str, ...]] = {
     "moe.activation": ("gpt_oss",),
 }
 
+# Llama 3.1's RoPE scaling (model.rope_scaling) exists in the Llama-block families; the YaRN
+# families (deepseek_v3, gpt_oss: FAMILY_KEYS' rope_yarn_factor) scale RoPE their own way.
+LLAMA3_ROPE_FAMILIES = ("llama", "mixtral", "qwen3", "qwen3_moe")
+
 # train.qk_clip rescales the query and key projections (models/decoder.py Attention.qk_row_scales).
 # Qwen3's per-head q/k RMSNorm undoes any such rescaling, and latent attention (DeepSeek-V3) splits
 # its query and key into parts QK-clip would scale differently (not built): both are refused.

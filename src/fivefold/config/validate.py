@@ -98,8 +98,6 @@ def _check_latent_attention(m) -> None:
              f"+qk_rope_head_dim={qk} under latent attention; leave model.head_dim unset (0)")
     _require(m.n_kv_heads == m.n_heads, f"model.n_kv_heads={m.n_kv_heads} must equal model.n_heads={m.n_heads}: "
              "latent attention expands keys and values for every head")
-    _require(m.rope_scaling == 0, f"model.rope_scaling={m.rope_scaling} (Llama 3.1 RoPE) is not available in "
-             "model.family=deepseek_v3; use model.rope_yarn_factor, or set model.rope_scaling=0")
 
 
 def _check_dense_layers(text: str, n_layers: int) -> None:

@@ -1,5 +1,6 @@
 """Checks of the model keys only some families implement (config/families.py `FAMILY_KEYS`) and of
-how sliding windows, sinks, YaRN and the clamped SwiGLU combine, each one sentence as in
+how sliding windows, sinks, YaRN and the clamped SwiGLU combine, and which families take Llama
+3.1's RoPE scaling (config/families.py LLAMA3_ROPE_FAMILIES), each one sentence as in
 config/validate.py, whose model checks call `check_family_keys` first. Every attention path,
 context-parallel ones included, implements windows and sinks.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from fivefold.config.errors import require as _require
-from fivefold.config.families import FAMILY_KEYS
+from fivefold.config.families import FAMILY_KEYS, LLAMA3_ROPE_FAMILIES
 from fivefold.config.schema import Config, ModelConfig, MoEConfig
 
 
@@ -41,6 +42,9 @@ def check_family_keys(cfg: Config) -> None:
                      "model.moe.activation='clamped_swiglu'")
     _require(not (m.rope_yarn_factor > 0 and m.rope_scaling > 0), f"model.rope_yarn_factor={m.rope_yarn_factor} "
              f"and model.rope_scaling={m.rope_scaling} are two RoPE scalings; set one of them to 0")
+    _require(m.rope_scaling == 0 or m.family in LLAMA3_ROPE_FAMILIES, f"model.rope_scaling={m.rope_scaling} "
+             f"(Llama 3.1 RoPE) is not available in model.family={m.family}; use model.rope_yarn_factor, or set "
+             "model.rope_scaling=0")
     if m.rope_yarn_factor > 0:
         _require(m.rope_yarn_beta_fast > m.rope_yarn_beta_slow, "model.rope_yarn_beta_fast="
                  f"{m.rope_yarn_beta_fast} must exceed model.rope_yarn_beta_slow={m.rope_yarn_beta_slow} > 0")

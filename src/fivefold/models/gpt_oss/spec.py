@@ -39,9 +39,6 @@ def check(cfg: ModelConfig) -> None:
     if cfg.rope_yarn_mscale or cfg.rope_yarn_mscale_all_dim:
         raise ConfigError("model.rope_yarn_mscale and rope_yarn_mscale_all_dim are DeepSeek's YaRN scalings, "
                           "not available in model.family=gpt_oss; set both to 0")
-    if cfg.rope_scaling > 0:
-        raise ConfigError(f"model.rope_scaling={cfg.rope_scaling} (Llama 3.1 RoPE) is not available in "
-                          "model.family=gpt_oss; use model.rope_yarn_factor, or set model.rope_scaling=0")
 
 
 def build(cfg: ModelConfig) -> torch.nn.Module:
