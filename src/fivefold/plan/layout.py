@@ -91,6 +91,7 @@ def replaced(layout: Layout, **changes) -> Layout:
     new = object.__new__(Layout)
     new.__dict__.update(layout.__dict__)
     new.__dict__.update(changes)
+    new.__dict__.pop("_cached_hash", None)  # were Layout to cache its hash (plan/cached_hash.py), not the old one
     return new
 
 
