@@ -178,8 +178,8 @@ def cmd_train(args: list[str]) -> int:
         overrides = [*overrides, "--parallel.gpus_per_node", str(own.nproc)]
     if free:
         overrides = _auto_layout(own, args, config_path, overrides, free, launched_by_torchrun())
+    cfg = load_config(config_path, overrides)  # once: every branch below reads it
     if own.dry_run:
-        cfg = load_config(config_path, overrides)
         given = any(a.startswith("--nproc") for a in args)
         validate(cfg, own.nproc * own.nnodes if given else _config_world(cfg), on_this_machine=True)  # as a launch
         check_data_is_set(cfg)  # what the launch would refuse
@@ -187,11 +187,9 @@ def cmd_train(args: list[str]) -> int:
 
         print(format_rank_map(cfg))
         return 0
-    ft = load_config(config_path, overrides).ft
-    if ft.replicas and not ft.lighthouse:  # in-place healing on this machine: a lighthouse and the groups
-        return _replica_groups(own, config_path, overrides)
+    if cfg.ft.replicas and not cfg.ft.lighthouse:  # in-place healing on this machine: a lighthouse and the groups
+        return _replica_groups(own, config_path, overrides, cfg)
     if launched_by_torchrun() or (own.nproc == 1 and own.nnodes == 1):
-        cfg = load_config(config_path, overrides)
         from fivefold.runtime import runtime_from_env
 
         validate(cfg, runtime_from_env().world_size)
@@ -200,7 +198,6 @@ def cmd_train(args: list[str]) -> int:
         return 0
     if own.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {own.nproc}")
-    cfg = load_config(config_path, overrides)
     validate(cfg, own.nproc * own.nnodes, on_this_machine=True)  # before any process starts
     check_data_is_set(cfg)
     from fivefold.tools.rank_map import format_rank_map
@@ -211,11 +208,10 @@ def cmd_train(args: list[str]) -> int:
                         own.rdzv, own.rdzv_id)
 
 
-def _replica_groups(own, config_path, overrides) -> int:
+def _replica_groups(own, config_path, overrides, cfg) -> int:
     """`--ft.replicas R` without ft.lighthouse: R replica groups of --nproc ranks here (ft/supervise.py)."""
     from fivefold.ft.supervise import run_replica_groups
 
-    cfg = load_config(config_path, overrides)
     validate(cfg, own.nproc, on_this_machine=True)  # before any process starts
     check_data_is_set(cfg)
     return run_replica_groups(config_path, overrides, own.nproc, cfg, own.max_restarts, own.nnodes)
