@@ -19,14 +19,13 @@ import time
 from fivefold.config import Config, ConfigError
 from fivefold.ft import need
 from fivefold.ft.group import ATTEMPT_ENV
+from fivefold.train.launch import launched_by_torchrun, signal_name
 
 DEFAULT_RESTARTS = 3
 
 
 def run_replica_groups(config_path: str | None, overrides: list[str], nproc: int, cfg: Config,
                        max_restarts: int = 0, nnodes: int = 1) -> int:
-    from fivefold.train.launch import launched_by_torchrun
-
     if launched_by_torchrun() or nnodes > 1:
         raise ConfigError("ft.replicas under torchrun or --nnodes makes each replica group its own job: start a "
                           "lighthouse (torchft_lighthouse --min_replicas 1) and give every group --ft.lighthouse "
@@ -113,5 +112,5 @@ class _Group:
 
 def _exit_text(code: int) -> str:
     if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by {signal_name(code)}"
     return f"exited with code {code}"

@@ -148,12 +148,17 @@ def _keep_traceback(record: dict, log_dir: str) -> str:
     return path
 
 
+def signal_name(code: int) -> str:
+    """The name of the signal that killed a process whose exit code is `code` (negative)."""
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
 def _exit_sentence(rank: int, code: int) -> str:
     if code < 0:  # killed by a signal
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
+        name = signal_name(code)
         why = " (often the out-of-memory killer)" if -code == signal.SIGKILL else ""
         return f"rank {rank} was killed by {name}{why}; the job stopped"
     return (f"rank {rank} exited with code {code} without saying why (it was killed or called os._exit); "
