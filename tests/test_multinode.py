@@ -79,17 +79,21 @@ def test_torchrun_elastic_continues_on_the_node_that_is_left(tmp_path):
 
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+    def command(host: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic{port}",
-               "--max-restarts", "1", "--rdzv-conf", "join_timeout=120,last_call_timeout=3",
+               "--max-restarts", "1", "--rdzv-conf", f"join_timeout=120,last_call_timeout=3,is_host={host}",
                "-m", "fivefold", "train", *_cli_overrides(), "--parallel.dp", "0", "--log.dir", str(tmp_path),
                "--checkpoint.every", "2", "--parallel.timeout_s", "30", "--log.progress", "true",
                # steps of a second (first attempt only), so the kill lands inside the run
                "--debug.slow_step_s", "1.0", "--debug.crash_rank", "0"]
-    # A hosts the rendezvous store; B joins it a moment later, and both form one 4-rank world.
-    a = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    time.sleep(1)
-    b = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    # A hosts the rendezvous store (it must outlive B). B starts first and waits for the store, so it
+    # joins the moment A opens it: had B started second, a loaded machine could delay its join past
+    # the 3 s last call, and A would start a 1-node world alone (seen with another pytest worker).
+    b_log = tmp_path / "node_b.log"
+    b = subprocess.Popen(command("false"), stdout=b_log.open("w"), stderr=subprocess.STDOUT, env=env)
+    a = subprocess.Popen(command("true"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     latest = tmp_path / "checkpoints" / "latest"
     try:
         deadline = time.time() + 240
@@ -104,7 +108,8 @@ def test_torchrun_elastic_continues_on_the_node_that_is_left(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert a.returncode == 0, out[-3000:]
-    assert "layout: dp=4" in out and "layout: dp=2" in out, out[-3000:]  # the world shrank and dp with it
+    # The world shrank and dp with it (the 4-rank world's rank 0 may have been on either node).
+    assert "layout: dp=4" in out + b_log.read_text() and "layout: dp=2" in out, out[-3000:]
     assert "resumed from" in out
     by_step = {}
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
