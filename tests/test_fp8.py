@@ -21,16 +21,17 @@ and a 6-step FP8 run moves its losses by up to 3.7e-4 and its gradient norms by 
    nothing else), and the tensorwise layers' output by 2.3e-2, their input gradient by 3.4e-2 and
    the column weight's gradient by 7.1e-2 against 1e-5. `test_the_cast_check_can_fail` keeps that
    break in the suite.
-2. Whole runs, harness rule: every step's loss and gradient norm and the final weights within
-   NOISE_MARGIN times the single-process FP8 run's own micro-batch-split noise (tests/layouts.py
-   `reference`): losses 6e-4 to 1.5e-3, norms 2e-2 to 8e-2; for the weights the bound exceeds what
-   6 updates can move them (AdamW turns each FP8 flip of a near-zero gradient into a whole
-   update), so it checks nothing for FP8. Measured: tp2 moved losses by 1.8e-4 and norms by
-   5.7e-3, cp2 by 2.3e-4 and 8.7e-3, dp2·zero3 (FP8 all-gather) by 5e-8 and 2e-6, pp2 by 2e-7 and
-   4e-5. With the amax reduction broken, tp2 tensorwise moved by 3.3e-4 and 6.3e-3: inside the
-   bound. So the whole runs show that the layouts compose, that FP8 ran in each (the converted
-   modules are counted) and catch gross errors (a gradient scaled wrongly), while check 1 is the
-   one the scales fail.
+2. Whole runs, harness rule in FP8's units (tests/layouts.py): losses within e4m3's u/16 (3.9e-3
+   relative), step 1's gradient norm within e5m2's u/16 (7.8e-3), later norms 10 times that, each
+   widened to NOISE_MARGIN times the single-process FP8 run's own micro-batch-split noise where that
+   is larger. The final weights are bounded by what AdamW can move them, 2 lr per step (an element
+   moves by at most lr a step whatever its gradient, beta1^2 < beta2): FP8 turns a flipped rounding
+   of a near-zero gradient into a whole update, so a bound from one noise sample fell low on other
+   kernels (tp2 rowwise at 0.53 of it under ATEN_CPU_CAPABILITY=default). Measured there: losses
+   2.6e-4, step-1 norms 2.2e-3, later norms 5.9e-3, weights 1.3e-2 (bound 3.6e-2). With the amax
+   reduction broken, tp2 tensorwise moved by 3.3e-4 and 6.3e-3: inside the bounds. So the whole
+   runs show that the layouts compose, that FP8 ran in each (the converted modules are counted) and
+   catch gross errors (a gradient scaled wrongly), while check 1 is the one the scales fail.
 """
 
 from __future__ import annotations
@@ -183,7 +184,21 @@ def test_fp8_layout_matches_single_process_fp8(two_ranks, index):
     counts = [ranks["runs"][index][1][0] for ranks in two_ranks]
     assert sum(counts) // (2 // stages) == DENSE_PROJECTIONS, f"{layout}: FP8 modules per rank {counts}"
     for rank, ranks in enumerate(two_ranks):
-        assert_same_run(ranks["runs"][index][0], want, label=f"{layout} rank {rank}")
+        assert_same_run(ranks["runs"][index][0], want, weight_atol=_adamw_reach(layout), label=f"{layout} rank {rank}")
+
+
+def _adamw_reach(layout: dict) -> float:
+    """How far apart two AdamW runs can end, element by element, whatever their gradients: twice the
+    sum over steps of lr times the largest |m_hat / sqrt(v_hat)|, which Cauchy-Schwarz over the two
+    moving averages bounds by (1 - b1) / (1 - b1^t) * sqrt((1 - b2^t) / (1 - b2) * sum_{i<t} (b1^2 / b2)^i)
+    (1 at step 1, 1.004 at step 6 for the default betas 0.9 and 0.95)."""
+    train = tiny_config(layout).train
+    b1, b2 = train.beta1, train.beta2
+    reach = 0.0
+    for t in range(1, train.steps + 1):
+        geometric = sum((b1 * b1 / b2) ** i for i in range(t))
+        reach += (1 - b1) / (1 - b1 ** t) * ((1 - b2 ** t) / (1 - b2) * geometric) ** 0.5
+    return 2 * train.lr * reach
 
 
 def test_zero3_gathers_fp8_weights(two_ranks):
