@@ -29,3 +29,19 @@ def cached_hash(self) -> int:
 
 def state_without_hash(self) -> dict:
     return {k: v for k, v in self.__dict__.items() if k != _KEY}
+
+
+class HashedTuple(tuple):
+    """A tuple that hashes once: memo tables keyed by a pipeline's ranks (a tuple of up to ~100
+    PipelineRanks) are looked up once per layout the search meets, and hashing the tuple asked
+    each rank for its hash every time. Pickled as a plain tuple's items, without the hash."""
+
+    def __hash__(self):
+        try:
+            return self.__dict__[_KEY]
+        except KeyError:
+            value = self.__dict__[_KEY] = tuple.__hash__(self)
+            return value
+
+    def __reduce__(self):
+        return type(self), (tuple(self),)

@@ -288,9 +288,7 @@ def activation_bytes(workload: Workload, layout: Layout, prank: PipelineRank, ra
                      micro_batches: int, hw: Hardware, runtime: Runtime) -> tuple[float, float]:
     """(saved activations at the peak, transient working memory) of one pipeline rank: each chunk
     (pipeline stage) of the rank holds its in-flight micro-batches (plan/pipeline/schedule.py).
-
-    Computed once per the layout fields it reads: not dp (the micro-batches are given), ZeRO or
-    HSDP, so a search's ZeRO stages of one layout share it (~55,000 ranks at 8,192 GPUs)."""
+    Once per the layout fields it reads: not dp (the micro-batches are given), ZeRO or HSDP."""
     return ranks_activation_bytes(workload, activation_fields(layout), ((rank, prank),), micro_batches, hw, runtime)[0]
 
 
@@ -325,7 +323,10 @@ def _rank_activation_bytes(workload: Workload, layout: Layout, fields: tuple, pr
     counts = in_flight_per_chunk(layout, rank, micro_batches)
     representatives = (tuple(layer for layer, _ in prank.kinds) if workload.lora.rank
                        else _first_of_each_kind(workload.stats, prank.kinds))
-    per_kind, biggest = _per_kind_bytes(workload, fields, representatives, hw, runtime)
+    # A layer reads its splits, tokens (mbs: an MoE rank's imbalance) and recomputation, not the
+    # pipeline: its bytes are shared by a search's pipeline depths and schedules.
+    per_kind, biggest = _per_kind_bytes(workload, (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute,
+                                                   layout.sp, layout.cp_method), representatives, hw, runtime)
     one_kind = next(iter(per_kind.values())) if len(per_kind) == 1 else None
     s = layout.tp if (layout.tp > 1 and layout.sp) else 1
     stream = workload.stats.dim / s * workload.precision.param_bytes  # one stage output, per token
@@ -381,11 +382,9 @@ def _per_kind_bytes(workload: Workload, fields: tuple, layers: tuple, hw: Hardwa
                     runtime: Runtime) -> tuple[dict, float]:
     """({is MoE: bytes a layer of that kind keeps per token}, the most a layer keeps without
     recomputation, which its backward's gradients are about as large as) for a rank holding
-    `layers`' kinds (one layer of each). Layers of a kind keep the same: computed once per layout
-    fields and kinds, not per rank."""
-    tp, pp, cp, ep, mbs, recompute, schedule, virtual, sp, cp_method = fields
-    layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep, mbs=mbs, recompute=recompute, pp_schedule=schedule,
-                    pp_virtual=virtual, sp=sp, cp_method=cp_method)
+    `layers`' kinds (one layer of each): once per kinds and fields, not per rank or pipeline."""
+    tp, cp, ep, mbs, recompute, sp, cp_method = fields
+    layout = Layout(tp=tp, cp=cp, ep=ep, mbs=mbs, recompute=recompute, sp=sp, cp_method=cp_method)
     imbalance = rank_imbalance(workload, layout)
     per_kind = {workload.stats.is_moe(layer): layer_activation_bytes(workload, layer, layout, layout.recompute,
                                                                      hw, runtime, imbalance)

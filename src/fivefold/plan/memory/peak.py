@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from fivefold.plan.cached_hash import HashedTuple
 from fivefold.plan.memory.activations import activation_fields, ranks_activation_bytes
 from fivefold.plan.memory.framework import as_recomputed_by, as_run_by, process_bytes
 from fivefold.plan.hardware import Hardware, Runtime
 from fivefold.plan.layout import Layout, replaced
 from fivefold.plan.lora import adapter_param_counts, layer_adapter_params
 from fivefold.plan.model_stats import ModelStats
-from fivefold.plan.pipeline.schedule import V_SHAPED, PipelineRank, _pipeline_ranks, chunks_per_rank
+from fivefold.plan.pipeline.schedule import V_SHAPED, PipelineRank, _pipeline_ranks, chunks_per_rank, stage_shape
 from fivefold.plan.workload import Workload
 
 
@@ -283,15 +284,6 @@ def _fsdp_held(workload: Workload, fields: tuple, ranks: tuple) -> tuple[tuple[f
     return tuple(held)
 
 
-def stage_shape(stats: ModelStats, prank: PipelineRank) -> tuple:
-    """What a pipeline rank's memory depends on besides its in-flight micro-batches: its ends
-    (embedding, output), which chunks send, and the kind of each layer of each chunk."""
-    def kind(i):
-        return stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers
-    return (prank.has_embedding, prank.has_output, prank.sends,
-            tuple(tuple(kind(i) for i in chunk) for chunk in prank.chunks))
-
-
 def candidate_ranks(workload: Workload, layout: Layout) -> tuple[tuple[int, PipelineRank], ...]:
     """The pipeline ranks that can hold the most. Ranks of the same stage shape differ only in
     their in-flight micro-batches (plan/pipeline/schedule.py in_flight_per_chunk), and their memory is
@@ -305,23 +297,11 @@ def candidate_ranks(workload: Workload, layout: Layout) -> tuple[tuple[int, Pipe
                             layout.micro_batches(workload.global_batch))
 
 
-class _Ranks(tuple):
-    """A tuple of (index, pipeline rank) pairs that hashes once: the memo tables of a rank's state
-    and activations are keyed by it, looked up ~10^4 times per search with the same few sets."""
-
-    def __hash__(self):
-        try:
-            return self.__dict__["hash"]
-        except KeyError:
-            value = self.__dict__["hash"] = tuple.__hash__(self)
-            return value
-
-
 @lru_cache(maxsize=8192)
 def _candidate_ranks(workload: Workload, p: int, v: int, schedule: str, pp_layers: str,
                      m: int) -> tuple[tuple[int, PipelineRank], ...]:
     """candidate_ranks by what they depend on, the pipeline's shape (not dp, tp or ZeRO)."""
-    return _Ranks(_candidate_rank_pairs(workload, p, v, schedule, pp_layers, m))
+    return HashedTuple(_candidate_rank_pairs(workload, p, v, schedule, pp_layers, m))
 
 
 def _candidate_rank_pairs(workload: Workload, p: int, v: int, schedule: str, pp_layers: str,
@@ -362,3 +342,46 @@ def worst_rank_memory(workload: Workload, layout: Layout, hw: Hardware,
             worst, worst_total = (prank, r, parts), total
     prank, r, parts = worst
     return shared.breakdown(prank, r, *parts)
+
+
+class RankTotals:
+    """One layout's rank totals under any stage split, by (index, stage shape): a rank's bytes read
+    its index (in-flight micro-batches), its shape (ends, sends, each chunk's layer kinds) and the
+    layout's fields, not the split. Under LoRA, whose adapters may be chosen by a layer's name, by
+    the rank's layers themselves. plan/search.py end_relieved prices each tried split with it: a
+    rank the split leaves as it was (most of them) is not sized again."""
+
+    def __init__(self, workload: Workload, layout: Layout, hw: Hardware, runtime: Runtime):
+        self.workload, self.cap = workload, hw.memory_bytes
+        self.shared = _LayoutShared(workload, layout, hw, runtime)  # reads no pp_layers
+        self.totals: dict = {}
+        self.balanced = []  # (index, total) of the layout's own split's candidate ranks
+        ranks = candidate_ranks(workload, layout)
+        for (r, prank), parts in zip(ranks, self.shared.ranks_parts(ranks)):  # memo hits
+            self.totals[self._key(r, prank)] = _total(parts)
+            self.balanced.append((r, _total(parts)))
+
+    def _key(self, r: int, prank: PipelineRank) -> tuple:
+        return r, (prank if self.workload.lora.rank else stage_shape(self.workload.stats, prank))
+
+    def total(self, r: int, prank: PipelineRank) -> float:
+        key = self._key(r, prank)
+        if key not in self.totals:
+            self.totals[key] = _total(self.shared.ranks_parts(((r, prank),))[0])
+        return self.totals[key]
+
+    def worst_if_fits(self, split: Layout, end: int) -> MemoryBreakdown | None:
+        """worst_rank_memory of `split` (this layout with other pp_layers), or None as soon as a
+        rank overflows: the ranks known first, then the end `end`, then the rest."""
+        ranks = candidate_ranks(self.workload, split)
+        order = sorted(ranks, key=lambda rp: (self._key(*rp) not in self.totals, rp[0] != end))
+        if any(self.total(r, prank) > self.cap for r, prank in order):
+            return None
+        r, prank = max(ranks, key=lambda rp: (self.total(*rp), -rp[0]))  # the first of the largest
+        return self.shared.breakdown(prank, r, *self.shared.ranks_parts(((r, prank),))[0])
+
+
+def _total(parts: tuple) -> float:
+    """A rank's total from its (state, saved, other) parts, summed as MemoryBreakdown.total sums."""
+    state, saved, other = parts
+    return state["params"] + state["grads"] + state["optimizer"] + saved + other

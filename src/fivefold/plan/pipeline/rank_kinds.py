@@ -13,10 +13,11 @@ from fivefold.plan.pipeline.schedule import PipelineRank
 
 
 @lru_cache(maxsize=4096)
+@lru_cache(maxsize=4096)
 def distinct_compositions(stats, ranks: tuple) -> tuple:
     """One pipeline rank of each composition, the first of each: a micro-batch's time depends on a
     rank's ends and how many layers of each kind it holds, not on which, so ranks alike are timed
-    once (a 32-stage pipeline has a handful of compositions)."""
+    once (a 32-stage pipeline has a handful of compositions). Once per pipeline (`ranks` hashes once)."""
     composition = {(p.has_embedding, p.has_output,
                     tuple((stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers, n) for i, n in p.kinds)): p
                    for p in reversed(ranks)}

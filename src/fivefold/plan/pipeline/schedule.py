@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fivefold.plan.cached_hash import cached_hash, state_without_hash
+from fivefold.plan.cached_hash import HashedTuple, cached_hash, state_without_hash
 from fivefold.plan.pipeline.stage_split import balanced_layer_counts
 from fivefold.plan.layout import Layout
 from fivefold.plan.model_stats import ModelStats
@@ -124,7 +124,7 @@ def _pipeline_ranks(stats: ModelStats, p: int, v: int, v_shaped: bool, pp_layers
                     seq_len: int) -> tuple[PipelineRank, ...]:
     mtp = tuple(stats.mtp_layers)  # multi-token prediction: after the last layer, on the last stage
     if p == 1:
-        return (_rank(stats, tuple(range(stats.n_layers)) + mtp, True, True),)
+        return HashedTuple((_rank(stats, tuple(range(stats.n_layers)) + mtp, True, True),))
     n_chunks = p * v
     if pp_layers:
         sizes = parse_pp_layers(pp_layers, n_chunks, stats.n_layers)
@@ -146,7 +146,34 @@ def _pipeline_ranks(stats: ModelStats, p: int, v: int, v_shaped: bool, pp_layers
         sends = tuple(c < n_chunks - 1 and owner[c + 1] != r for c in mine)
         ranks.append(_rank(stats, layers, 0 in mine, n_chunks - 1 in mine,
                            tuple(bounds[c] for c in mine), sends))
-    return tuple(ranks)
+    return HashedTuple(ranks)  # memo tables downstream are keyed by it (plan/pipeline/rank_kinds.py)
+
+
+@lru_cache(maxsize=16384)
+def stage_shape(stats: ModelStats, prank: PipelineRank) -> tuple:
+    """What a pipeline rank's memory depends on besides its in-flight micro-batches: its ends
+    (embedding, output), which chunks send, and the kind of each layer of each chunk. (Memoised:
+    plan/memory/peak.py RankTotals keys every rank of every relieved split by it.)"""
+    def kind(i):
+        return stats.is_moe(i), i in stats.sliding_layers, i >= stats.n_layers
+    return (prank.has_embedding, prank.has_output, prank.sends,
+            tuple(tuple(kind(i) for i in chunk) for chunk in prank.chunks))
+
+
+@lru_cache(maxsize=1024)
+def ranks_kept_by_relief(stats: ModelStats, p: int, v: int, v_shaped: bool, seq_len: int,
+                         by_layers: bool) -> frozenset:
+    """Indices of the pipeline ranks whose stage shape (by_layers: whose layers) every split of
+    _end_relieved_splits leaves as the balanced split has it: those holding neither end nor a
+    middle chunk that takes the ends' layers."""
+    def ranks(text):
+        return [prank if by_layers else stage_shape(stats, prank)
+                for prank in _pipeline_ranks(stats, p, v, v_shaped, text, seq_len)]
+    balanced = ranks("")
+    kept = set(range(p))
+    for text, _, _ in _end_relieved_splits(stats, p * v, seq_len):
+        kept -= {r for r, shape in enumerate(ranks(text)) if shape != balanced[r]}
+    return frozenset(kept)
 
 
 def in_flight_chunks(layout: Layout, rank: int, micro_batches: int) -> float:
