@@ -1,9 +1,8 @@
 """What a second pytest worker would buy the suite: the same test files run with one worker (`-n 0`)
 and with two (`-n 2 --dist loadfile`: whole files per worker, so a file's group of ranks stays in
-one), alternating so that both see the same machine. Needs pytest-xdist (not in the [test] extra:
-under two workers test_multinode's elastic run once ended before its first checkpoint, not yet
-understood). Reports each run's wall time and the CPU time of pytest and everything it
-started (ranks, CLI processes), and the ratio of the medians.
+one), alternating so that both see the same machine. Needs pytest-xdist (in the [test] extra; the
+README's test command runs two workers). Reports each run's wall time and the CPU time of pytest
+and everything it started (ranks, CLI processes), and the ratio of the medians.
 
     OMP_NUM_THREADS=1 python benchmarks/suite_workers.py [FILES ...] [--repeats 2]
 
