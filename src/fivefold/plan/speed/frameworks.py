@@ -64,7 +64,11 @@ MEGATRON_DEEPSPEED_RUNTIME = dataclasses.replace(
 # Megatron-core / NeMo (2024-25, what NVIDIA's H100 and B200 runs use): Transformer Engine with tp
 # communication overlapped with the GEMMs (userbuffers; NeMo's tp_comm_overlap, most of it hidden),
 # the distributed optimizer with --overlap-grad-reduce and --overlap-param-gather, FP8 casts fused
-# into the producing kernels, and expert all-to-all overlapped with compute.
+# into the producing kernels. The expert all-to-all runs between the compute (exposed): Megatron-core
+# hides it only under --overlap-moe-expert-parallel-comm (off by default; since MCore v0.14), which
+# NVIDIA's gpt-oss-120b H100 and B200 BF16 recipes do not set (Megatron-Bridge
+# scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py: moe_a2a_overlap only in the
+# GB200 BF16 V2 and FP8-MX V2 recipes); DualPipe(V) still hides it by its schedule ('dualpipe').
 # Its memory recipe: bf16 main grads (grad_reduce_in_fp32 = False), reduced in bf16; the
 # distributed optimizer's fp32 master and moments over dp x cp (the bf16 recipe's ZeRO-1).
 # Attention: Transformer Engine's cuDNN fused attention, FlashAttention-3-class on Hopper
@@ -76,10 +80,10 @@ MEGATRON_RUNTIME = dataclasses.replace(
     reduce_bytes=2.0, attention_rate=0.7, matmul_rate=fitted.MEGATRON_MATMUL_RATE,
     float8_linear_speedup=fitted.MEGATRON_FP8_SPEEDUP,
     tokens_per_sec_error=fitted.MEGATRON_BAND,  # out of sample: benchmarks/calibrate_stacks.py
-    tp_exposed_fraction=0.25, float8_cast_bytes_per_element=1.0, ep_overlap="always", attention_kernel="fused",
+    tp_exposed_fraction=0.25, float8_cast_bytes_per_element=1.0, ep_overlap="dualpipe", attention_kernel="fused",
     name="megatron", overlaps="tp collectives under the GEMMs (TE userbuffers, a quarter left "
     "exposed), dp gradient reduce-scatter under backward and the weight all-gather under the next "
-    "forward (distributed optimizer), expert all-to-all under compute; pp exposed")
+    "forward (distributed optimizer); expert all-to-all and pp exposed (a2a hidden only under DualPipe(V))")
 # IBM's fms-fsdp (foundation-model-stack/fms-fsdp, the 2024 Llama 2 runs on 128 A100s): PyTorch
 # FSDP, eager, as fivefold's eager profile runs it, except that its bfSixteen mixed-precision
 # policy reduces gradients in bf16 (fms_fsdp/policies/mixed_precision.py: reduce_dtype=bfloat16).
