@@ -11,6 +11,7 @@ difference seen). Run it when a bound or a numerical path changes (docs/testing.
     python tests/scripts/isa_margins.py                       # every path, every layout test file
     python tests/scripts/isa_margins.py tests/test_muon.py    # some files
     python tests/scripts/isa_margins.py --paths default,avx2 --json margins.json
+    python tests/scripts/isa_margins.py --workers 2                # two pytest workers per path
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--top", type=int, default=15, help="tests listed, worst first")
     parser.add_argument("-k", default="", help="pytest -k expression")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="pytest workers per path (pytest-xdist, whole files per worker, as the suite runs)")
     args = parser.parse_args(argv)
     paths = available_paths()
     if args.paths:
@@ -98,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--paths: {', '.join(unknown)} not on this CPU; it has {', '.join(paths)}")
         paths = {name: paths[name] for name in args.paths.split(",")}
     files = args.files or layout_test_files()
-    pytest_args = ["-k", args.k] if args.k else []
+    pytest_args = (["-k", args.k] if args.k else []) + (["-n", str(args.workers), "--dist", "loadfile"]
+                                                        if args.workers > 1 else [])
     results = []
     for name, env in paths.items():
         result = run_path(name, env, files, pytest_args)
