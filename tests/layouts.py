@@ -252,7 +252,8 @@ def _run_layout(overrides: dict) -> Run:
                eval_losses=[r["val_loss"] for r in result.records if "val_loss" in r],
                mtp_losses=[r["mtp_loss"] for r in result.records if "mtp_loss" in r],
                qk_clipped=[r["qk_clipped_heads"] for r in result.records if "qk_clipped_heads" in r],
-               compile_s=sum(r.get("compile_s", 0.0) for r in result.records), dtype=cfg.train.dtype, fp8=cfg.train.fp8 or "")
+               compile_s=sum(r.get("compile_s", 0.0) for r in result.records), dtype=cfg.train.dtype,
+               fp8=cfg.train.fp8 or "")
 
 
 def _over_stages(par, mine: dict) -> dict:

@@ -24,14 +24,15 @@ and a 6-step FP8 run moves its losses by up to 3.7e-4 and its gradient norms by 
 2. Whole runs, harness rule in FP8's units (tests/layouts.py): losses within e4m3's u/16 (3.9e-3
    relative), step 1's gradient norm within e5m2's u/16 (7.8e-3), later norms 10 times that, each
    widened to NOISE_MARGIN times the single-process FP8 run's own micro-batch-split noise where that
-   is larger. The final weights are bounded by what AdamW can move them, 2 lr per step (an element
-   moves by at most lr a step whatever its gradient, beta1^2 < beta2): FP8 turns a flipped rounding
-   of a near-zero gradient into a whole update, so a bound from one noise sample fell low on other
-   kernels (tp2 rowwise at 0.53 of it under ATEN_CPU_CAPABILITY=default). Measured there: losses
-   2.6e-4, step-1 norms 2.2e-3, later norms 5.9e-3, weights 1.3e-2 (bound 3.6e-2). With the amax
-   reduction broken, tp2 tensorwise moved by 3.3e-4 and 6.3e-3: inside the bounds. So the whole
-   runs show that the layouts compose, that FP8 ran in each (the converted modules are counted) and
-   catch gross errors (a gradient scaled wrongly), while check 1 is the one the scales fail.
+   is larger. The final weights are bounded by what AdamW can move them, about 2 lr per step (an
+   element moves by at most about lr a step whatever its gradient, `_adamw_reach`): FP8 turns a
+   flipped rounding of a near-zero gradient into a whole update, so a bound from one noise sample
+   fell low on other kernels (tp2 rowwise at 0.53 of it under ATEN_CPU_CAPABILITY=default). Measured
+   there: losses 2.6e-4, step-1 norms 2.2e-3, later norms 5.9e-3, weights 1.3e-2 (bound 3.6e-2).
+   With the amax reduction broken, tp2 tensorwise moved by 3.3e-4 and 6.3e-3: inside the bounds. So
+   the whole runs show that the layouts compose, that FP8 ran in each (the converted modules are
+   counted) and catch gross errors (a gradient scaled wrongly), while check 1 is the one the scales
+   fail.
 """
 
 from __future__ import annotations

@@ -79,21 +79,23 @@ def test_torchrun_elastic_continues_on_the_node_that_is_left(tmp_path):
 
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    def command(host: str) -> list[str]:
+
+    def command(is_host: str) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic{port}",
-               "--max-restarts", "1", "--rdzv-conf", f"join_timeout=120,last_call_timeout=3,is_host={host}",
-               "-m", "fivefold", "train", *_cli_overrides(), "--parallel.dp", "0", "--log.dir", str(tmp_path),
-               "--checkpoint.every", "2", "--parallel.timeout_s", "30", "--log.progress", "true",
-               # steps of a second (first attempt only), so the kill lands inside the run
-               "--debug.slow_step_s", "1.0", "--debug.crash_rank", "0"]
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic{port}",
+                "--max-restarts", "1", "--rdzv-conf", f"join_timeout=120,last_call_timeout=3,is_host={is_host}",
+                "-m", "fivefold", "train", *_cli_overrides(), "--parallel.dp", "0", "--log.dir", str(tmp_path),
+                "--checkpoint.every", "2", "--parallel.timeout_s", "30", "--log.progress", "true",
+                # steps of a second (first attempt only), so the kill lands inside the run
+                "--debug.slow_step_s", "1.0", "--debug.crash_rank", "0"]
+
     # A hosts the rendezvous store (it must outlive B). B starts first and waits for the store, so it
     # joins the moment A opens it: had B started second, a loaded machine could delay its join past
-    # the 3 s last call, and A would start a 1-node world alone (seen with another pytest worker).
+    # the 3 s last call, and A would start a 1-node world alone (seen beside another pytest worker).
     b_log = tmp_path / "node_b.log"
-    b = subprocess.Popen(command("false"), stdout=b_log.open("w"), stderr=subprocess.STDOUT, env=env)
-    a = subprocess.Popen(command("true"),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    with b_log.open("w") as b_out:
+        b = subprocess.Popen(command("false"), stdout=b_out, stderr=subprocess.STDOUT, env=env)
+    a = subprocess.Popen(command("true"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     latest = tmp_path / "checkpoints" / "latest"
     try:
         deadline = time.time() + 240
