@@ -14,10 +14,8 @@ communication are the ft job's). Three mechanisms, each priced from physical qua
    mean 1 / rate, and down, D). With k groups live the job trains at k / R of its full rate:
    under ft.mode = same_batch the live groups split the fixed global batch (a step takes R / k as
    long), under shrink the step keeps its time and the batch shrinks; either way the tokens
-   trained per second are k / R, so the expected share is 1 - p. At a fixed cluster size more,
-   smaller groups fail less often each, so p falls with R. The heal is priced at the NIC's
-   bandwidth (the donor also runs its own all-reduces over it, and torchft's transport may be
-   slower): a bound, negligible beside restart_s at the defaults (0.3 s against 600 s at 405B).
+   trained per second are k / R, so the expected share is 1 - p (independent of R at a fixed
+   cluster size except through G, hence p).
 3. Checkpoint-restart remains for whole-job failures: the job stops when more than
    R - ft.min_replicas groups are down at once (the quorum cannot form before a restarted group is
    back). Their rate is that of reaching that many down, from the groups' independent up/down
