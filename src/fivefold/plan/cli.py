@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 from fivefold.config import CheckpointConfig, Config, ConfigError, DataConfig
-from fivefold.config.schema import FtConfig
 from fivefold.plan.compile_choice import planned_compile
 from fivefold.plan.estimate import estimate
 from fivefold.plan.goodput import goodput
@@ -137,9 +136,8 @@ def _example(flag: str) -> str:
 
 
 def _planning_config(cfg: Config) -> Config:
-    """The planner needs no data or checkpoints: do not let their paths fail the plan. [ft] is
-    priced (plan/healing.py), not checked against this trainer version's limits inside a group."""
-    return dataclasses.replace(cfg, data=DataConfig(), checkpoint=CheckpointConfig(), ft=FtConfig())
+    """The planner needs no data or checkpoints: do not let their paths fail the plan."""
+    return dataclasses.replace(cfg, data=DataConfig(), checkpoint=CheckpointConfig())
 
 
 def _check_nodes(gpus: int, gpus_per_node: int, what: str) -> None:
@@ -316,8 +314,7 @@ def _plan(argv: list[str]) -> int:
                  f"{assumed(cfg)}: best layouts by predicted tokens/s per GPU" + demo_defaults_note(cfg))
 
     for est in candidates:  # goodput and cost of train.steps steps (plan/goodput.py)
-        est.goodput = goodput(workload, est.layout, hw, est.step_time_s, cfg.train.steps, cfg.cluster,
-                              train_cfg.ft)
+        est.goodput = goodput(workload, est.layout, hw, est.step_time_s, cfg.train.steps, cfg.cluster)
     if flags["json"]:
         print(to_json(candidates, rejected))
     else:

@@ -27,11 +27,9 @@ Defaults (each a [cluster] key, DESIGN.md):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
-from fivefold.plan import healing as heal
 from fivefold.plan.memory.peak import rank_param_counts
 from fivefold.plan.pipeline.schedule import pipeline_ranks
 
@@ -49,15 +47,10 @@ class Goodput:
     train_days: float
     usd: float
     kwh: float
-    healing: heal.Healing | None = None  # with in-place healing, under ft.replicas (plan/healing.py)
-    problem: str = ""  # why the layout cannot be cut into ft.replicas groups
 
     def to_json(self) -> dict:
-        out = {"goodput": self.goodput, "checkpoint_interval_s": self.checkpoint_interval_s,
-               "train_days": self.train_days, "usd": self.usd, "kwh": self.kwh}
-        if self.healing or self.problem:  # only under ft.replicas: the JSON contract is unchanged without
-            out["healing"] = self.healing.to_json() if self.healing else {"problem": self.problem}
-        return out
+        return {"goodput": self.goodput, "checkpoint_interval_s": self.checkpoint_interval_s,
+                "train_days": self.train_days, "usd": self.usd, "kwh": self.kwh}
 
 
 def segment_seconds(tau: float, delta: float, mtbf: float, recover: float) -> float:
@@ -116,66 +109,17 @@ def cluster_value(cluster, key: str, fallback: float) -> float:
     return float(value) if value else float(fallback)
 
 
-def restart_goodput(rate: float, delta: float, recover: float) -> tuple[float, float, float]:
-    """(goodput, MTBF, best checkpoint interval) of checkpoint-restart at failure rate `rate`
-    (1/s); no failures at all: goodput 1 and no checkpoints needed."""
-    if rate <= 0:
-        return 1.0, math.inf, math.inf
-    tau = best_interval(delta, 1 / rate, recover)
-    return goodput_at(tau, delta, 1 / rate, recover), 1 / rate, tau
-
-
-def healing_goodput(replicas: int, min_replicas: int, group_rate: float, step_s: float, restart: float,
-                    heal_s: float, delta: float) -> tuple[float, float, float]:
-    """(goodput, whole-job MTBF, checkpoint interval) with R replica groups healing in place, each
-    failing at group_rate (plan/healing.py). R = 1 has no peer to heal from and min_replicas = R
-    stops at any failure: both are checkpoint-restart at the job's rate."""
-    recover = restart + delta  # a whole-job failure: restart, then read the checkpoint back
-    if replicas <= 1 or min_replicas >= replicas:
-        return restart_goodput(replicas * group_rate, delta, recover)
-    down = restart + heal_s  # a group is down from its failure until it has healed
-    share = heal.healing_share(replicas, group_rate, down, step_s)
-    whole, mtbf, tau = restart_goodput(heal.job_failure_rate(replicas, min_replicas, group_rate, down),
-                                       delta, recover)
-    return share * whole, mtbf, tau
-
-
-def goodput(workload, layout, hw, step_time_s: float, steps: int, cluster=None, ft=None) -> Goodput:
-    """Checkpoint-restart's goodput and cost; under ft.replicas > 0 in-place healing's beside it."""
+def goodput(workload, layout, hw, step_time_s: float, steps: int, cluster=None) -> Goodput:
     n = layout.world_size
     nodes = max(1.0, n / hw.gpus_per_node)
-    gpu_mtbf = cluster_value(cluster, "mtbf_gpu_hours", DEFAULTS["mtbf_gpu_hours"]) * 3600
-    mtbf = gpu_mtbf / n
+    mtbf = cluster_value(cluster, "mtbf_gpu_hours", DEFAULTS["mtbf_gpu_hours"]) * 3600 / n
     storage = cluster_value(cluster, "storage_gbps", DEFAULTS["storage_gbps"]) * GB
     delta = checkpoint_bytes(workload, layout) / nodes / storage  # every node writes its share at once
-    restart = cluster_value(cluster, "restart_s", DEFAULTS["restart_s"])
-    recover = restart + delta  # restart, then read back
+    recover = cluster_value(cluster, "restart_s", DEFAULTS["restart_s"]) + delta  # restart, then read back
     tau = best_interval(delta, mtbf, recover)
     share = goodput_at(tau, delta, mtbf, recover)
-    days, usd, kwh = _cost(cluster, hw, n, steps * step_time_s / share)
-    out = Goodput(goodput=share, checkpoint_interval_s=tau, checkpoint_s=delta, job_mtbf_s=mtbf,
-                  train_days=days, usd=usd, kwh=kwh)
-    if ft is None or ft.replicas < 1:
-        return out
-    problem = heal.ft_problem(layout, ft.replicas, ft.min_replicas)
-    if problem:
-        return dataclasses.replace(out, problem=problem)
-    r = ft.replicas
-    group_rate = n / r / gpu_mtbf  # the group's GPUs, each failing at 1 / gpu_mtbf
-    heal_s = heal.heal_bytes(workload, layout, r) / hw.nic_bw  # rank to rank across nodes, one NIC each
-    by_spares = tuple(healing_goodput(r, r - s, group_rate, step_time_s, restart, heal_s, delta)[0]
-                      for s in range(min(r - 1, heal.SPARES_SHOWN) + 1))
-    g, job_mtbf, job_tau = healing_goodput(r, ft.min_replicas, group_rate, step_time_s, restart, heal_s, delta)
-    days, usd, kwh = _cost(cluster, hw, n, steps * step_time_s / g)
-    return dataclasses.replace(out, healing=heal.Healing(
-        goodput=g, replicas=r, min_replicas=ft.min_replicas, group_mtbf_s=1 / group_rate, heal_s=heal_s,
-        job_mtbf_s=job_mtbf, checkpoint_interval_s=job_tau, by_spares=by_spares, train_days=days, usd=usd,
-        kwh=kwh))
-
-
-def _cost(cluster, hw, n: int, wall_s: float) -> tuple[float, float, float]:
-    """(days, dollars, kWh) of n GPUs for wall_s seconds."""
-    hours = wall_s / 3600
+    hours = steps * step_time_s / share / 3600
     price = cluster_value(cluster, "usd_per_gpu_hour", DEFAULTS["usd_per_gpu_hour"])
     watts = cluster_value(cluster, "watts_per_gpu", hw.board_watts)
-    return hours / 24, hours * n * price, hours * n * watts / 1000
+    return Goodput(goodput=share, checkpoint_interval_s=tau, checkpoint_s=delta, job_mtbf_s=mtbf,
+                   train_days=hours / 24, usd=hours * n * price, kwh=hours * n * watts / 1000)

@@ -39,21 +39,7 @@ def _goodput_lines(candidates: list[Estimate]) -> list[str]:
         lines.append(f"{i + 1}. goodput {g.goodput:.1%} (checkpoint every {g.checkpoint_interval_s:,.0f} s of "
                      f"training, {g.checkpoint_s:.1f} s each); {g.train_days:,.1f} days, ${g.usd:,.0f}, "
                      f"{g.kwh:,.0f} kWh")
-        if g.healing or g.problem:
-            lines.append(_healing_line(g))
     return lines
-
-
-def _healing_line(g) -> str:
-    """In-place healing's goodput beside checkpoint-restart's (plan/healing.py), under ft.replicas."""
-    h = g.healing
-    if h is None:
-        return f"   with in-place healing: not priced ({g.problem})"
-    spares = ", ".join(f"{s} {v:.1%}" for s, v in enumerate(h.by_spares))
-    return (f"   with in-place healing ({h.replicas} replica groups, min {h.min_replicas}): goodput {h.goodput:.1%} "
-            f"(a group fails every {h.group_mtbf_s / 3600:,.1f} h, heals in {h.heal_s:.1f} s; whole-job restart "
-            f"every {h.job_mtbf_s / 86400:.3g} days); {h.train_days:,.1f} days, ${h.usd:,.0f}, {h.kwh:,.0f} kWh; "
-            f"goodput by spare groups (replicas - min_replicas): {spares}")
 
 
 def _band(est: Estimate) -> str:
