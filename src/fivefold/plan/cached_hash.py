@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 
-_KEY = "_cached_hash"
+HASH_ATTRIBUTE = "_cached_hash"
 
 
 def cached_hash(self) -> int:
     try:
-        return self.__dict__[_KEY]
+        return self.__dict__[HASH_ATTRIBUTE]
     except KeyError:
         value = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)
                            if (f.hash if f.hash is not None else f.compare)))
-        self.__dict__[_KEY] = value  # beside the fields, so the frozen __setattr__ is not involved
+        self.__dict__[HASH_ATTRIBUTE] = value  # beside the fields, so the frozen __setattr__ is not involved
         return value
 
 
 def state_without_hash(self) -> dict:
-    return {k: v for k, v in self.__dict__.items() if k != _KEY}
+    return {k: v for k, v in self.__dict__.items() if k != HASH_ATTRIBUTE}
 
 
 class HashedTuple(tuple):
@@ -38,9 +38,9 @@ class HashedTuple(tuple):
 
     def __hash__(self):
         try:
-            return self.__dict__[_KEY]
+            return self.__dict__[HASH_ATTRIBUTE]
         except KeyError:
-            value = self.__dict__[_KEY] = tuple.__hash__(self)
+            value = self.__dict__[HASH_ATTRIBUTE] = tuple.__hash__(self)
             return value
 
     def __reduce__(self):

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from fivefold.config import Config, ConfigError
+from fivefold.plan.cached_hash import HASH_ATTRIBUTE
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -91,7 +92,7 @@ def replaced(layout: Layout, **changes) -> Layout:
     new = object.__new__(Layout)
     new.__dict__.update(layout.__dict__)
     new.__dict__.update(changes)
-    new.__dict__.pop("_cached_hash", None)  # were Layout to cache its hash (plan/cached_hash.py), not the old one
+    new.__dict__.pop(HASH_ATTRIBUTE, None)  # were Layout to cache its hash (plan/cached_hash.py), not the old one
     return new
 
 

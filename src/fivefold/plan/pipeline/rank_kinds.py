@@ -13,7 +13,6 @@ from fivefold.plan.pipeline.schedule import PipelineRank
 
 
 @lru_cache(maxsize=4096)
-@lru_cache(maxsize=4096)
 def distinct_compositions(stats, ranks: tuple) -> tuple:
     """One pipeline rank of each composition, the first of each: a micro-batch's time depends on a
     rank's ends and how many layers of each kind it holds, not on which, so ranks alike are timed
